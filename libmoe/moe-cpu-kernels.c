@@ -1,0 +1,504 @@
+/* moe-cpu-kernels.c: CPU math shared by the experts backends
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include "config.h"
+
+#include <math.h>
+#include <string.h>
+#include <cblas.h>
+
+#include "moe-cpu-kernels.h"
+
+/* Rows up to this count multiply half-precision weights in place; above it
+ * the expert's matrix is widened once into scratch so that sgemm can run. */
+#define DIRECT_MAX_ROWS 8
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+# define MOE_CLONES __attribute__((target_clones ("arch=haswell", "default")))
+#else
+# define MOE_CLONES
+#endif
+
+gboolean
+moe_cpu_activation_from_name (const char       *name,
+                              MoeCpuActivation *act)
+{
+  static const struct { const char *name; MoeCpuActivation act; } names[] = {
+    { "silu", MOE_CPU_ACT_SILU },
+    { "swish", MOE_CPU_ACT_SILU },
+    { "gelu", MOE_CPU_ACT_GELU },
+    { "gelu_pytorch_tanh", MOE_CPU_ACT_GELU_TANH },
+    { "gelu_new", MOE_CPU_ACT_GELU_TANH },
+    { "relu", MOE_CPU_ACT_RELU },
+  };
+
+  for (guint i = 0; name != NULL && i < G_N_ELEMENTS (names); i++)
+    if (g_str_equal (name, names[i].name))
+      {
+        *act = names[i].act;
+        return TRUE;
+      }
+  return FALSE;
+}
+
+float
+moe_f16_to_f32 (guint16 h)
+{
+  guint32 sign = (guint32) (h & 0x8000) << 16;
+  guint32 exp = (h >> 10) & 0x1f;
+  guint32 man = h & 0x3ff;
+  union { guint32 u; float f; } c;
+
+  if (exp == 0x1f)
+    c.u = sign | 0x7f800000 | (man << 13);
+  else if (exp != 0)
+    c.u = sign | ((exp + 112) << 23) | (man << 13);
+  else if (man == 0)
+    c.u = sign;
+  else
+    {
+      /* subnormal: value = man * 2^-24 */
+      c.f = (float) man * 5.9604644775390625e-08f;
+      c.u |= sign;
+    }
+  return c.f;
+}
+
+guint16
+moe_f32_to_f16 (float f)
+{
+  union { float f; guint32 u; } c = { .f = f };
+  guint32 sign = (c.u >> 16) & 0x8000;
+  guint32 abs = c.u & 0x7fffffff;
+
+  if (abs > 0x7f800000)
+    return (guint16) (sign | 0x7e00);
+  if (abs >= 0x477ff000)                      /* rounds to >= 65520: inf */
+    return (guint16) (sign | 0x7c00);
+  if (abs < 0x38800000)                       /* below the smallest normal */
+    {
+      /* scale into the subnormal range and let the FPU round to nearest even */
+      union { float f; guint32 u; } a = { .u = abs };
+      float v = a.f * 16777216.0f;            /* 2^24 */
+      return (guint16) (sign | (guint32) nearbyintf (v));
+    }
+  guint32 r = abs + 0xfff + ((abs >> 13) & 1) - (112u << 23);
+  return (guint16) (sign | (r >> 13));
+}
+
+float
+moe_cpu_round_to (float    v,
+                  MoeDType dtype)
+{
+  switch (dtype)
+    {
+    case MOE_DTYPE_BF16:
+      return moe_bf16_to_f32 (moe_f32_to_bf16 (v));
+    case MOE_DTYPE_F16:
+      return moe_f16_to_f32 (moe_f32_to_f16 (v));
+    default:
+      return v;
+    }
+}
+
+static inline float
+load_f32 (MoeDType      dtype,
+          gconstpointer data,
+          gsize         i)
+{
+  switch (dtype)
+    {
+    case MOE_DTYPE_F32:  return ((const float *) data)[i];
+    case MOE_DTYPE_BF16: return moe_bf16_to_f32 (((const guint16 *) data)[i]);
+    case MOE_DTYPE_F16:  return moe_f16_to_f32 (((const guint16 *) data)[i]);
+    case MOE_DTYPE_F64:  return (float) ((const double *) data)[i];
+    default: g_assert_not_reached ();
+    }
+}
+
+MOE_CLONES static void
+bf16_to_f32_array (const guint16 *src, float *dst, gsize n)
+{
+  for (gsize i = 0; i < n; i++)
+    {
+      union { guint32 u; float f; } c = { .u = (guint32) src[i] << 16 };
+      dst[i] = c.f;
+    }
+}
+
+void
+moe_cpu_convert (MoeDType      src_dtype,
+                 gconstpointer src,
+                 MoeDType      dst_dtype,
+                 gpointer      dst,
+                 gsize         n)
+{
+  if (src_dtype == dst_dtype)
+    {
+      memcpy (dst, src, n * moe_dtype_get_size (src_dtype));
+      return;
+    }
+  if (src_dtype == MOE_DTYPE_BF16 && dst_dtype == MOE_DTYPE_F32)
+    {
+      bf16_to_f32_array (src, dst, n);
+      return;
+    }
+  for (gsize i = 0; i < n; i++)
+    {
+      float v = load_f32 (src_dtype, src, i);
+      switch (dst_dtype)
+        {
+        case MOE_DTYPE_F32:  ((float *) dst)[i] = v; break;
+        case MOE_DTYPE_BF16: ((guint16 *) dst)[i] = moe_f32_to_bf16 (v); break;
+        case MOE_DTYPE_F16:  ((guint16 *) dst)[i] = moe_f32_to_f16 (v); break;
+        case MOE_DTYPE_F64:
+          /* widen exactly from the source, not through float */
+          ((double *) dst)[i] = src_dtype == MOE_DTYPE_F64 ? ((const double *) src)[i] : (double) v;
+          break;
+        default: g_assert_not_reached ();
+        }
+    }
+}
+
+void
+moe_cpu_gather_rows (MoeDType      dtype,
+                     gconstpointer src,
+                     gsize         width,
+                     const gint64 *rows,
+                     gsize         n_rows,
+                     float        *dst)
+{
+  gsize elt = moe_dtype_get_size (dtype);
+
+  for (gsize r = 0; r < n_rows; r++)
+    moe_cpu_convert (dtype, (const guint8 *) src + (gsize) rows[r] * width * elt,
+                     MOE_DTYPE_F32, dst + r * width, width);
+}
+
+/* Per-thread scratch for widening a half-precision expert matrix. */
+typedef struct { float *data; gsize size; } Scratch;
+
+static void
+scratch_free (gpointer p)
+{
+  Scratch *s = p;
+  g_free (s->data);
+  g_free (s);
+}
+
+static GPrivate scratch_key = G_PRIVATE_INIT (scratch_free);
+
+static float *
+get_scratch (gsize n)
+{
+  Scratch *s = g_private_get (&scratch_key);
+  if (s == NULL)
+    {
+      s = g_new0 (Scratch, 1);
+      g_private_set (&scratch_key, s);
+    }
+  if (s->size < n)
+    {
+      g_free (s->data);
+      s->data = g_new (float, n);
+      s->size = n;
+    }
+  return s->data;
+}
+
+/* y[m, n] = x[m, k] · W[n, k]ᵀ with W in bf16, read in place. */
+MOE_CLONES static void
+matmul_bf16_nt (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y)
+{
+  for (gsize j = 0; j < n; j++)
+    {
+      const guint16 *row = w + j * k;
+      for (gsize r = 0; r < m; r++)
+        {
+          const float *xr = x + r * k;
+          float acc[8] = { 0, };
+          gsize i = 0;
+          for (; i + 8 <= k; i += 8)
+            for (int l = 0; l < 8; l++)
+              {
+                union { guint32 u; float f; } c = { .u = (guint32) row[i + l] << 16 };
+                acc[l] += xr[i + l] * c.f;
+              }
+          float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+          for (; i < k; i++)
+            s += xr[i] * moe_bf16_to_f32 (row[i]);
+          y[r * n + j] = s;
+        }
+    }
+}
+
+/* y[m, n] = x[m, k] · W[k, n] with W in bf16, read in place. */
+MOE_CLONES static void
+matmul_bf16_nn (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y)
+{
+  memset (y, 0, m * n * sizeof (float));
+  for (gsize i = 0; i < k; i++)
+    {
+      const guint16 *row = w + i * n;
+      for (gsize r = 0; r < m; r++)
+        {
+          float a = x[r * k + i];
+          float *yr = y + r * n;
+          for (gsize j = 0; j < n; j++)
+            {
+              union { guint32 u; float f; } c = { .u = (guint32) row[j] << 16 };
+              yr[j] += a * c.f;
+            }
+        }
+    }
+}
+
+void
+moe_cpu_matmul (const float        *x,
+                gsize               m,
+                const MoeCpuMatrix *w,
+                float              *y)
+{
+  const float *wf;
+
+  if (m == 0)
+    return;
+
+  if (w->dtype == MOE_DTYPE_BF16 && m <= DIRECT_MAX_ROWS)
+    {
+      if (w->transposed)
+        matmul_bf16_nn (x, m, w->data, w->n, w->k, y);
+      else
+        matmul_bf16_nt (x, m, w->data, w->n, w->k, y);
+      return;
+    }
+
+  if (w->dtype == MOE_DTYPE_F32)
+    wf = w->data;
+  else
+    {
+      float *s = get_scratch (w->n * w->k);
+      moe_cpu_convert (w->dtype, w->data, MOE_DTYPE_F32, s, w->n * w->k);
+      wf = s;
+    }
+
+  if (m == 1)
+    {
+      if (w->transposed)
+        cblas_sgemv (CblasRowMajor, CblasTrans, w->k, w->n, 1.0f, wf, w->n, x, 1, 0.0f, y, 1);
+      else
+        cblas_sgemv (CblasRowMajor, CblasNoTrans, w->n, w->k, 1.0f, wf, w->k, x, 1, 0.0f, y, 1);
+      return;
+    }
+
+  cblas_sgemm (CblasRowMajor, CblasNoTrans, w->transposed ? CblasNoTrans : CblasTrans,
+               m, w->n, w->k, 1.0f, x, w->k,
+               wf, w->transposed ? w->n : w->k,
+               0.0f, y, w->n);
+}
+
+void
+moe_cpu_add_bias (float         *rows,
+                  gsize          m,
+                  gsize          n,
+                  MoeDType       dtype,
+                  gconstpointer  bias)
+{
+  for (gsize r = 0; r < m; r++)
+    for (gsize j = 0; j < n; j++)
+      rows[r * n + j] += load_f32 (dtype, bias, j);
+}
+
+static inline float
+activate (MoeCpuActivation act, float v)
+{
+  switch (act)
+    {
+    case MOE_CPU_ACT_SILU:
+      return v / (1.0f + expf (-v));
+    case MOE_CPU_ACT_GELU:
+      return 0.5f * v * (1.0f + erff (v * (float) M_SQRT1_2));
+    case MOE_CPU_ACT_GELU_TANH:
+      {
+        const float c = 0.7978845608028654f;   /* sqrt(2/pi) */
+        return 0.5f * v * (1.0f + tanhf (c * (v + 0.044715f * v * v * v)));
+      }
+    case MOE_CPU_ACT_RELU:
+      return v > 0.0f ? v : 0.0f;
+    default:
+      g_assert_not_reached ();
+    }
+}
+
+void
+moe_cpu_apply_gate (const float      *up,
+                    gsize             m,
+                    gsize             inter,
+                    const MoeCpuGate *gate,
+                    float            *out)
+{
+  for (gsize r = 0; r < m; r++)
+    {
+      float *o = out + r * inter;
+
+      if (!gate->has_gate)
+        {
+          const float *u = up + r * inter;
+          for (gsize j = 0; j < inter; j++)
+            o[j] = activate (gate->activation, u[j]);
+        }
+      else if (gate->interleaved)
+        {
+          /* GPT-OSS: even columns gate, odd columns up */
+          const float *gu = up + r * 2 * inter;
+          for (gsize j = 0; j < inter; j++)
+            {
+              float g = MIN (gu[2 * j], gate->limit);
+              float u = CLAMP (gu[2 * j + 1], -gate->limit, gate->limit);
+              float glu = g / (1.0f + expf (-gate->alpha * g));
+              o[j] = (u + 1.0f) * glu;
+            }
+        }
+      else
+        {
+          const float *g = up + r * 2 * inter;
+          const float *u = g + inter;
+          for (gsize j = 0; j < inter; j++)
+            o[j] = activate (gate->activation, g[j]) * u[j];
+        }
+    }
+}
+
+/**
+ * moe_cpu_experts_init: (skip)
+ * @view: the view to fill
+ * @experts: validated experts whose weights are on the CPU
+ */
+void
+moe_cpu_experts_init (MoeCpuExperts *view,
+                      MoeExperts    *experts)
+{
+  MoeTensor *up = moe_experts_get_up_weight (experts);
+  MoeTensor *down = moe_experts_get_down_weight (experts);
+  MoeTensor *up_bias = moe_experts_get_up_bias (experts);
+  MoeTensor *down_bias = moe_experts_get_down_bias (experts);
+
+  memset (view, 0, sizeof *view);
+  view->num_experts = moe_experts_get_num_experts (experts);
+  view->hidden = moe_experts_get_hidden_size (experts);
+  view->inter = moe_experts_get_intermediate_size (experts);
+  view->transposed = moe_experts_get_is_transposed (experts);
+  view->gate.has_gate = moe_experts_get_has_gate (experts);
+  view->gate.interleaved = moe_experts_get_gate_layout (experts) == MOE_GATE_LAYOUT_INTERLEAVED;
+  view->gate.alpha = (float) moe_experts_get_swiglu_alpha (experts);
+  view->gate.limit = (float) moe_experts_get_swiglu_limit (experts);
+  if (!moe_cpu_activation_from_name (moe_experts_get_activation (experts), &view->gate.activation))
+    g_assert_not_reached ();   /* moe_experts_validate() refuses unknown names */
+  view->up_out = view->gate.has_gate ? 2 * view->inter : view->inter;
+  view->up_dtype = moe_tensor_get_dtype (up);
+  view->down_dtype = moe_tensor_get_dtype (down);
+  view->up = moe_tensor_get_data (up);
+  view->down = moe_tensor_get_data (down);
+  if (up_bias != NULL)
+    {
+      view->up_bias = moe_tensor_get_data (up_bias);
+      view->up_bias_dtype = moe_tensor_get_dtype (up_bias);
+    }
+  if (down_bias != NULL)
+    {
+      view->down_bias = moe_tensor_get_data (down_bias);
+      view->down_bias_dtype = moe_tensor_get_dtype (down_bias);
+    }
+}
+
+/**
+ * moe_cpu_experts_run: (skip)
+ * @view: the experts
+ * @expert: an expert id below `num_experts`
+ * @x: `[m, H]` float32 rows routed to @expert
+ * @m: the number of rows
+ * @y: `[m, H]` float32 output: `down(gate(up(x)))`, biases included,
+ *   not yet scaled by routing weights
+ */
+void
+moe_cpu_experts_run (const MoeCpuExperts *view,
+                     guint                expert,
+                     const float         *x,
+                     gsize                m,
+                     float               *y)
+{
+  gsize hid = view->hidden, inter = view->inter, upn = view->up_out;
+  MoeCpuMatrix up = {
+    .dtype = view->up_dtype,
+    .data = view->up + (gsize) expert * upn * hid * moe_dtype_get_size (view->up_dtype),
+    .n = upn, .k = hid, .transposed = view->transposed,
+  };
+  MoeCpuMatrix down = {
+    .dtype = view->down_dtype,
+    .data = view->down + (gsize) expert * hid * inter * moe_dtype_get_size (view->down_dtype),
+    .n = hid, .k = inter, .transposed = view->transposed,
+  };
+  float *u, *h;
+
+  if (m == 0)
+    return;
+
+  u = g_new (float, m * upn);
+  h = g_new (float, m * inter);
+
+  moe_cpu_matmul (x, m, &up, u);
+  if (view->up_bias != NULL)
+    moe_cpu_add_bias (u, m, upn, view->up_bias_dtype,
+                      view->up_bias + (gsize) expert * upn * moe_dtype_get_size (view->up_bias_dtype));
+  moe_cpu_apply_gate (u, m, inter, &view->gate, h);
+  moe_cpu_matmul (h, m, &down, y);
+  if (view->down_bias != NULL)
+    moe_cpu_add_bias (y, m, hid, view->down_bias_dtype,
+                      view->down_bias + (gsize) expert * hid * moe_dtype_get_size (view->down_bias_dtype));
+
+  g_free (u);
+  g_free (h);
+}
+
+/**
+ * moe_cpu_tensor_dup_f32: (skip)
+ * @tensor: a CPU tensor of a float dtype
+ *
+ * Returns: (transfer full): its elements widened to float32; free with g_free()
+ */
+float *
+moe_cpu_tensor_dup_f32 (MoeTensor *tensor)
+{
+  gsize n = (gsize) moe_tensor_get_n_elements (tensor);
+  float *out = g_new (float, MAX (n, 1));
+
+  moe_cpu_convert (moe_tensor_get_dtype (tensor), moe_tensor_get_data (tensor),
+                   MOE_DTYPE_F32, out, n);
+  return out;
+}
+
+/**
+ * moe_cpu_tensor_from_f32: (skip)
+ * @data: float32 elements
+ * @dtype: the dtype of the new tensor (rounded to nearest even)
+ * @shape: (array length=n_dims): its dimensions
+ * @n_dims: the number of dimensions
+ * @error: return location for a #GError
+ *
+ * Returns: (transfer full): a new CPU tensor
+ */
+MoeTensor *
+moe_cpu_tensor_from_f32 (const float   *data,
+                         MoeDType       dtype,
+                         const gint64  *shape,
+                         guint          n_dims,
+                         GError       **error)
+{
+  MoeTensor *out = moe_tensor_new_empty (NULL, dtype, shape, n_dims, error);
+
+  if (out != NULL)
+    moe_cpu_convert (MOE_DTYPE_F32, data, dtype, moe_tensor_get_mutable_data (out),
+                     (gsize) moe_tensor_get_n_elements (out));
+  return out;
+}

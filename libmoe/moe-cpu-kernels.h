@@ -1,0 +1,157 @@
+/* moe-cpu-kernels.h: CPU math shared by the experts backends (plugin API,
+ * not introspected)
+ *
+ * All activations are float32 inside; weights are read in place in their
+ * stored dtype (F32, BF16 or F16), never copied per row.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#pragma once
+
+#include <moe-plugin.h>
+
+G_BEGIN_DECLS
+
+typedef enum {
+  MOE_CPU_ACT_SILU,
+  MOE_CPU_ACT_GELU,
+  MOE_CPU_ACT_GELU_TANH,
+  MOE_CPU_ACT_RELU,
+} MoeCpuActivation;
+
+/**
+ * MoeCpuMatrix: (skip)
+ * @dtype: F32, BF16 or F16
+ * @data: the first element of this matrix
+ * @n: output features
+ * @k: input features
+ * @transposed: %FALSE when stored `[n, k]` (y = x·Wᵀ), %TRUE when stored `[k, n]` (y = x·W)
+ *
+ * One expert's projection weight, viewed in place.
+ */
+typedef struct {
+  MoeDType      dtype;
+  gconstpointer data;
+  gsize         n;
+  gsize         k;
+  gboolean      transposed;
+} MoeCpuMatrix;
+
+/**
+ * MoeCpuGate: (skip)
+ * @has_gate: %FALSE for ungated experts: out = act(up)
+ * @interleaved: GPT-OSS clamped SwiGLU on interleaved gate/up columns
+ * @activation: the activation of the gate (or of up when ungated)
+ * @alpha: clamped SwiGLU's alpha
+ * @limit: clamped SwiGLU's limit
+ */
+typedef struct {
+  gboolean         has_gate;
+  gboolean         interleaved;
+  MoeCpuActivation activation;
+  float            alpha;
+  float            limit;
+} MoeCpuGate;
+
+/**
+ * MoeCpuExperts: (skip)
+ *
+ * A host view of a [class@Experts] object's weights, for running one
+ * expert at a time on contiguous rows.
+ */
+typedef struct {
+  guint          num_experts;
+  guint          hidden;
+  guint          inter;
+  guint          up_out;        /* 2I gated, I ungated */
+  gboolean       transposed;
+  MoeDType       up_dtype;
+  MoeDType       down_dtype;
+  const guint8  *up;
+  const guint8  *down;
+  MoeDType       up_bias_dtype;
+  MoeDType       down_bias_dtype;
+  const guint8  *up_bias;       /* nullable */
+  const guint8  *down_bias;     /* nullable */
+  MoeCpuGate     gate;
+} MoeCpuExperts;
+
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_experts_init (MoeCpuExperts      *view,
+                               MoeExperts         *experts);
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_experts_run  (const MoeCpuExperts *view,
+                               guint               expert,
+                               const float        *x,
+                               gsize               m,
+                               float              *y);
+
+MOE_AVAILABLE_IN_ALL
+float     *moe_cpu_tensor_dup_f32  (MoeTensor     *tensor);
+MOE_AVAILABLE_IN_ALL
+MoeTensor *moe_cpu_tensor_from_f32 (const float   *data,
+                                    MoeDType       dtype,
+                                    const gint64  *shape,
+                                    guint          n_dims,
+                                    GError       **error);
+
+MOE_AVAILABLE_IN_ALL
+gboolean moe_cpu_activation_from_name (const char        *name,
+                                       MoeCpuActivation  *act);
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_matmul      (const float        *x,
+                              gsize               m,
+                              const MoeCpuMatrix *w,
+                              float              *y);
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_add_bias    (float              *rows,
+                              gsize               m,
+                              gsize               n,
+                              MoeDType            dtype,
+                              gconstpointer       bias);
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_apply_gate  (const float        *up,
+                              gsize               m,
+                              gsize               inter,
+                              const MoeCpuGate   *gate,
+                              float              *out);
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_convert     (MoeDType            src_dtype,
+                              gconstpointer       src,
+                              MoeDType            dst_dtype,
+                              gpointer            dst,
+                              gsize               n);
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_gather_rows (MoeDType            dtype,
+                              gconstpointer       src,
+                              gsize               width,
+                              const gint64       *rows,
+                              gsize               n_rows,
+                              float              *dst);
+MOE_AVAILABLE_IN_ALL
+float    moe_cpu_round_to    (float               v,
+                              MoeDType            dtype);
+
+static inline float
+moe_bf16_to_f32 (guint16 v)
+{
+  union { guint32 u; float f; } c = { .u = (guint32) v << 16 };
+  return c.f;
+}
+
+static inline guint16
+moe_f32_to_bf16 (float f)
+{
+  union { float f; guint32 u; } c = { .f = f };
+  if ((c.u & 0x7fffffff) > 0x7f800000)          /* NaN: keep it quiet */
+    return (guint16) ((c.u >> 16) | 0x40);
+  c.u += 0x7fff + ((c.u >> 16) & 1);            /* round to nearest even */
+  return (guint16) (c.u >> 16);
+}
+
+MOE_AVAILABLE_IN_ALL
+float    moe_f16_to_f32      (guint16             h);
+MOE_AVAILABLE_IN_ALL
+guint16  moe_f32_to_f16      (float               f);
+
+G_END_DECLS

@@ -1,0 +1,73 @@
+/* moe-device.h: where tensors live and computation runs
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#pragma once
+
+#if !defined(LIBMOE_INSIDE) && !defined(MOE_COMPILATION)
+# error "Only <libmoe.h> can be included directly."
+#endif
+
+#include <glib-object.h>
+
+#include "moe-types.h"
+
+G_BEGIN_DECLS
+
+#define MOE_TYPE_DEVICE (moe_device_get_type ())
+
+MOE_AVAILABLE_IN_ALL
+G_DECLARE_DERIVABLE_TYPE (MoeDevice, moe_device, MOE, DEVICE, GObject)
+
+/**
+ * MoeDeviceClass:
+ * @parent_class: the parent class
+ * @alloc: allocate @size bytes of device memory
+ * @free: free memory returned by @alloc
+ * @copy_from_host: copy @size bytes from host memory to device memory
+ * @copy_to_host: copy @size bytes from device memory to host memory
+ * @synchronize: wait until all queued work on the device is done
+ *
+ * The virtual methods a device implements. The CPU device lives in the core;
+ * other devices come from plugins.
+ */
+struct _MoeDeviceClass
+{
+  GObjectClass parent_class;
+
+  gpointer (*alloc)          (MoeDevice     *self,
+                              gsize          size,
+                              GError       **error);
+  void     (*free)           (MoeDevice     *self,
+                              gpointer       ptr);
+  gboolean (*copy_from_host) (MoeDevice     *self,
+                              gpointer       dst,
+                              gconstpointer  src,
+                              gsize          size,
+                              GError       **error);
+  gboolean (*copy_to_host)   (MoeDevice     *self,
+                              gpointer       dst,
+                              gconstpointer  src,
+                              gsize          size,
+                              GError       **error);
+  gboolean (*synchronize)    (MoeDevice     *self,
+                              GError       **error);
+
+  /*< private >*/
+  gpointer _reserved[8];
+};
+
+MOE_AVAILABLE_IN_ALL
+MoeDevice   *moe_device_get_cpu    (void);
+MOE_AVAILABLE_IN_ALL
+MoeDevice   *moe_device_get_for_name (const char  *name,
+                                      GError     **error);
+MOE_AVAILABLE_IN_ALL
+const char  *moe_device_get_name   (MoeDevice   *self);
+MOE_AVAILABLE_IN_ALL
+gboolean     moe_device_is_cpu     (MoeDevice   *self);
+MOE_AVAILABLE_IN_ALL
+gboolean     moe_device_synchronize (MoeDevice  *self,
+                                     GError    **error);
+
+G_END_DECLS

@@ -1,0 +1,92 @@
+/* moe-plugin.h: the API for plugin authors (not part of the introspected API)
+ *
+ * A plugin is a GModule `libmoe-<module>.so` beside a `<name>.plugin` keyfile:
+ *
+ * |[
+ * [Moe Plugin]
+ * Module=foo
+ * Name=foo
+ * Kind=experts-backend
+ * Type=FooBackend
+ * Abi=1
+ * ]|
+ *
+ * and one source file says `MOE_PLUGIN_DEFINE (foo, foo_plugin_init)`.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#pragma once
+
+#include <libmoe.h>
+#include <gmodule.h>
+
+G_BEGIN_DECLS
+
+typedef struct _MoePluginDesc MoePluginDesc;
+
+/**
+ * MoePluginDesc: (skip)
+ * @abi_version: %MOE_PLUGIN_ABI_VERSION the plugin was built with
+ * @major_version: libmoe's major version the plugin was built against
+ * @minor_version: libmoe's minor version the plugin was built against
+ * @module_name: the module name; must equal the keyfile's `Module=`
+ * @init: registers the plugin's types; returns %FALSE with @error set on failure
+ *
+ * What a plugin's entry symbol `moe_plugin_<module>_get_desc()` returns.
+ */
+struct _MoePluginDesc
+{
+  guint32     abi_version;
+  guint16     major_version;
+  guint16     minor_version;
+  const char *module_name;
+  gboolean  (*init) (GError **error);
+
+  /*< private >*/
+  gpointer _reserved[8];
+};
+
+/**
+ * MOE_PLUGIN_DEFINE: (skip)
+ * @module: the module name, as a C identifier (the keyfile's `Module=`)
+ * @init_func: a `gboolean (*) (GError **)` that registers the plugin's types
+ *
+ * Defines the plugin's descriptor and its exported entry symbol.
+ */
+#define MOE_PLUGIN_DEFINE(module, init_func)                                   \
+  G_MODULE_EXPORT const MoePluginDesc *G_PASTE (G_PASTE (moe_plugin_, module), _get_desc) (void); \
+  G_MODULE_EXPORT const MoePluginDesc *                                         \
+  G_PASTE (G_PASTE (moe_plugin_, module), _get_desc) (void)                     \
+  {                                                                             \
+    static const MoePluginDesc desc = {                                         \
+      MOE_PLUGIN_ABI_VERSION, MOE_MAJOR_VERSION, MOE_MINOR_VERSION,             \
+      G_STRINGIFY (module), init_func, { NULL, }                                \
+    };                                                                          \
+    return &desc;                                                               \
+  }
+
+/* Raw access for backends and devices. Host pointers on the CPU device,
+ * device pointers elsewhere. */
+MOE_AVAILABLE_IN_ALL
+gconstpointer  moe_tensor_get_data          (MoeTensor     *self);
+MOE_AVAILABLE_IN_ALL
+gpointer       moe_tensor_get_mutable_data  (MoeTensor     *self);
+MOE_AVAILABLE_IN_ALL
+MoeTensor     *moe_tensor_new_empty         (MoeDevice     *device,
+                                             MoeDType       dtype,
+                                             const gint64  *shape,
+                                             guint          n_dims,
+                                             GError       **error);
+
+/* Per-experts state a backend keeps between forwards (repacked weights…);
+ * freed with the experts object. */
+MOE_AVAILABLE_IN_ALL
+gpointer       moe_experts_get_backend_data (MoeExperts    *self,
+                                             MoeExpertsBackend *backend);
+MOE_AVAILABLE_IN_ALL
+void           moe_experts_set_backend_data (MoeExperts    *self,
+                                             MoeExpertsBackend *backend,
+                                             gpointer       data,
+                                             GDestroyNotify destroy);
+
+G_END_DECLS

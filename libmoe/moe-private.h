@@ -1,0 +1,36 @@
+/* moe-private.h: libmoe's internal API (never installed)
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#pragma once
+
+#include "libmoe.h"
+#include "moe-plugin.h"
+
+G_BEGIN_DECLS
+
+gboolean _moe_shape_n_elements        (const gint64  *shape,
+                                       guint          n_dims,
+                                       gint64        *n_elements,
+                                       GError       **error);
+
+/* Sets @error to "…; available: a, b, c" listing the registry's backends. */
+void     _moe_set_unknown_backend     (GError       **error,
+                                       MoePluginRegistry *registry,
+                                       const char    *name);
+
+gboolean _moe_env_is_trusted          (void);
+
+GType    _moe_cpu_device_get_type     (void);
+
+G_END_DECLS
+
+G_BEGIN_DECLS
+/* Checks shapes, dtypes and ids; on success @index_out is the index as I64. */
+gboolean _moe_experts_check_inputs (MoeExperts  *experts,
+                                    MoeTensor   *hidden_states,
+                                    MoeTensor   *top_k_index,
+                                    MoeTensor   *top_k_weights,
+                                    MoeTensor  **index_out,
+                                    GError     **error);
+G_END_DECLS
