@@ -1,0 +1,53 @@
+/* moe-test-util.h: helpers shared by the C tests
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#pragma once
+
+#include <math.h>
+#include <libmoe.h>
+
+/* ‖a − b‖ / ‖b‖ over two float tensors of equal size, in double. */
+static inline double
+moe_test_rel_error (MoeTensor *a,
+                    MoeTensor *b)
+{
+  g_autoptr(MoeTensor) a64 = moe_tensor_to_dtype (a, MOE_DTYPE_F64, NULL);
+  g_autoptr(MoeTensor) b64 = moe_tensor_to_dtype (b, MOE_DTYPE_F64, NULL);
+  g_autoptr(GBytes) ab = moe_tensor_dup_bytes (a64, NULL);
+  g_autoptr(GBytes) bb = moe_tensor_dup_bytes (b64, NULL);
+  const double *x = g_bytes_get_data (ab, NULL), *y = g_bytes_get_data (bb, NULL);
+  gint64 n = moe_tensor_get_n_elements (a);
+  double num = 0, den = 0;
+
+  g_assert_cmpint (n, ==, moe_tensor_get_n_elements (b));
+  for (gint64 i = 0; i < n; i++)
+    {
+      if (isnan (x[i]))
+        return INFINITY;
+      num += (x[i] - y[i]) * (x[i] - y[i]);
+      den += y[i] * y[i];
+    }
+  g_assert_cmpfloat (den, >, 0);
+  return sqrt (num / den);
+}
+
+static inline char *
+moe_test_data_path (const char *first, ...)
+{
+  const char *root = g_getenv ("MOE_TEST_DATA");
+  GPtrArray *parts = g_ptr_array_new ();
+  va_list args;
+  char *path;
+
+  g_ptr_array_add (parts, (gpointer) (root ? root : "tests/data"));
+  g_ptr_array_add (parts, (gpointer) first);
+  va_start (args, first);
+  for (const char *p = va_arg (args, const char *); p != NULL; p = va_arg (args, const char *))
+    g_ptr_array_add (parts, (gpointer) p);
+  va_end (args);
+  g_ptr_array_add (parts, NULL);
+  path = g_build_filenamev ((char **) parts->pdata);
+  g_ptr_array_free (parts, TRUE);
+  return path;
+}

@@ -1,0 +1,410 @@
+/* test-experts.c: every backend against transformers' experts fixtures
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include <string.h>
+#include <libmoe.h>
+#include <moe-plugin.h>
+
+#include "moe-test-util.h"
+
+static const char *fixtures[] = {
+  "silu_concat", "silu_decode_t1", "gelu_concat", "relu_ungated",
+  "gptoss_bias_transposed_interleaved", "silu_sentinel", "silu_many_tokens",
+};
+
+typedef struct {
+  MoeCheckpoint *ck;
+  MoeExperts    *experts;
+  MoeTensor     *hidden, *index, *weights, *reference;
+} Case;
+
+static char *
+metadata (MoeCheckpoint *ck, const char *key)
+{
+  const char *v = moe_checkpoint_get_metadata_value (ck, key);
+  g_assert_nonnull (v);
+  /* transformers wrote some values JSON-quoted */
+  return g_strdelimit (g_strdup (v), "\"", ' ');
+}
+
+static gboolean
+metadata_true (MoeCheckpoint *ck, const char *key)
+{
+  g_autofree char *v = metadata (ck, key);
+  return g_str_equal (g_strstrip (v), "true");
+}
+
+static MoeTensor *
+tensor (MoeCheckpoint *ck, const char *name, MoeDType dtype)
+{
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeTensor) t = moe_checkpoint_get_tensor (ck, name, &error);
+  MoeTensor *out;
+
+  g_assert_no_error (error);
+  if (!moe_dtype_is_float (moe_tensor_get_dtype (t)))
+    return g_steal_pointer (&t);
+  out = moe_tensor_to_dtype (t, dtype, &error);
+  g_assert_no_error (error);
+  return out;
+}
+
+static void
+case_load (Case *c, const char *name, MoeDType dtype)
+{
+  g_autoptr(GError) error = NULL;
+  g_autofree char *file = g_strconcat (name, ".safetensors", NULL);
+  g_autofree char *path = moe_test_data_path ("experts", file, NULL);
+  g_autoptr(MoeTensor) up = NULL, down = NULL;
+  g_autofree char *act = NULL;
+
+  c->ck = moe_checkpoint_open (path, &error);
+  g_assert_no_error (error);
+  up = tensor (c->ck, "up_weight", dtype);
+  down = tensor (c->ck, "down_weight", dtype);
+  c->experts = moe_experts_new (up, down);
+  act = metadata (c->ck, "act");
+  moe_experts_set_activation (c->experts, g_strstrip (act));
+  moe_experts_set_has_gate (c->experts, metadata_true (c->ck, "has_gate"));
+  moe_experts_set_is_transposed (c->experts, metadata_true (c->ck, "is_transposed"));
+  if (metadata_true (c->ck, "interleaved_clamped_swiglu"))
+    moe_experts_set_gate_layout (c->experts, MOE_GATE_LAYOUT_INTERLEAVED);
+  if (moe_checkpoint_has_tensor (c->ck, "up_bias"))
+    {
+      g_autoptr(MoeTensor) ub = tensor (c->ck, "up_bias", dtype);
+      g_autoptr(MoeTensor) db = tensor (c->ck, "down_bias", dtype);
+      moe_experts_set_up_bias (c->experts, ub);
+      moe_experts_set_down_bias (c->experts, db);
+    }
+  g_assert_true (moe_experts_validate (c->experts, &error));
+  g_assert_no_error (error);
+
+  c->hidden = tensor (c->ck, "hidden_states", dtype);
+  c->index = tensor (c->ck, "top_k_index", dtype);
+  c->weights = tensor (c->ck, "top_k_weights", MOE_DTYPE_F32);
+  c->reference = tensor (c->ck, "output_f64", MOE_DTYPE_F64);
+}
+
+static void
+case_clear (Case *c)
+{
+  g_clear_object (&c->ck);
+  g_clear_object (&c->experts);
+  g_clear_object (&c->hidden);
+  g_clear_object (&c->index);
+  g_clear_object (&c->weights);
+  g_clear_object (&c->reference);
+}
+
+static MoeTensor *
+run (Case *c, const char *backend)
+{
+  g_autoptr(GError) error = NULL;
+  MoeTensor *out;
+
+  moe_experts_set_implementation (c->experts, backend);
+  out = moe_experts_forward (c->experts, c->hidden, c->index, c->weights, &error);
+  g_assert_no_error (error);
+  g_assert_nonnull (out);
+  g_assert_true (moe_tensor_has_shape (out, moe_tensor_get_shape (c->hidden, NULL), 2));
+  g_assert_cmpint (moe_tensor_get_dtype (out), ==, moe_tensor_get_dtype (c->hidden));
+  return out;
+}
+
+static void
+check_fixture (gconstpointer data, MoeDType dtype, double tolerance)
+{
+  const char *name = data;
+  g_auto(GStrv) backends = moe_plugin_registry_list_backends (moe_plugin_registry_get_default ());
+  g_autoptr(GPtrArray) outs = g_ptr_array_new_with_free_func (g_object_unref);
+  Case c = { 0, };
+
+  g_assert_cmpuint (g_strv_length (backends), >=, 3);
+  g_assert_true (g_strv_contains ((const char * const *) backends, "eager"));
+  g_assert_true (g_strv_contains ((const char * const *) backends, "batched_mm"));
+  g_assert_true (g_strv_contains ((const char * const *) backends, "grouped_mm"));
+
+  case_load (&c, name, dtype);
+  for (guint i = 0; backends[i] != NULL; i++)
+    {
+      MoeTensor *out = run (&c, backends[i]);
+      double err = moe_test_rel_error (out, c.reference);
+      g_test_message ("%s %s %s: rel err %.3g", name, moe_dtype_get_name (dtype), backends[i], err);
+      g_assert_cmpfloat (err, <=, tolerance);
+      g_ptr_array_add (outs, out);
+    }
+  /* the backends agree with one another */
+  for (guint i = 1; i < outs->len; i++)
+    g_assert_cmpfloat (moe_test_rel_error (outs->pdata[i], outs->pdata[0]), <=, tolerance);
+  case_clear (&c);
+}
+
+static void
+test_fixture_f32 (gconstpointer data)
+{
+  check_fixture (data, MOE_DTYPE_F32, 1e-5);
+}
+
+static void
+test_fixture_bf16 (gconstpointer data)
+{
+  check_fixture (data, MOE_DTYPE_BF16, 2e-2);
+}
+
+static void
+test_fixture_f16 (gconstpointer data)
+{
+  check_fixture (data, MOE_DTYPE_F16, 2e-2);
+}
+
+/* The sentinel fixture: the slot holding id E contributes nothing, so the
+ * output equals the output computed without it. */
+static void
+test_sentinel_contributes_nothing (void)
+{
+  Case c = { 0, };
+  g_autoptr(MoeTensor) out = NULL;
+
+  case_load (&c, "silu_sentinel", MOE_DTYPE_F32);
+  {
+    const gint64 *ids = moe_tensor_get_data (c.index);
+    gint64 n = moe_tensor_get_n_elements (c.index);
+    gboolean found = FALSE;
+    for (gint64 i = 0; i < n; i++)
+      found |= ids[i] == moe_experts_get_num_experts (c.experts);
+    g_assert_true (found);
+  }
+  /* poison the sentinel's routing weight: a backend that computed the slot
+   * would now be far off the reference */
+  {
+    g_autoptr(GBytes) wb = moe_tensor_dup_bytes (c.weights, NULL);
+    float *w = g_memdup2 (g_bytes_get_data (wb, NULL), g_bytes_get_size (wb));
+    const gint64 *ids = moe_tensor_get_data (c.index);
+    g_autoptr(GBytes) poisoned = NULL;
+    for (gint64 i = 0; i < moe_tensor_get_n_elements (c.index); i++)
+      if (ids[i] == moe_experts_get_num_experts (c.experts))
+        w[i] = 1000.0f;
+    poisoned = g_bytes_new_take (w, g_bytes_get_size (wb));
+    g_clear_object (&c.weights);
+    c.weights = moe_tensor_new_from_bytes (MOE_DTYPE_F32, moe_tensor_get_shape (c.index, NULL), 2, poisoned, NULL);
+  }
+  for (const char *const *b = (const char *const[]) { "eager", "batched_mm", "grouped_mm", NULL }; *b; b++)
+    {
+      g_autoptr(MoeTensor) o = run (&c, *b);
+      g_assert_cmpfloat (moe_test_rel_error (o, c.reference), <=, 1e-5);
+    }
+  case_clear (&c);
+}
+
+static void
+test_int32_index (void)
+{
+  Case c = { 0, };
+  g_autoptr(MoeTensor) i32 = NULL;
+  g_autoptr(MoeTensor) out = NULL;
+  gint64 n;
+  gint32 *ids;
+
+  case_load (&c, "silu_concat", MOE_DTYPE_F32);
+  n = moe_tensor_get_n_elements (c.index);
+  ids = g_new (gint32, n);
+  for (gint64 i = 0; i < n; i++)
+    ids[i] = (gint32) ((const gint64 *) moe_tensor_get_data (c.index))[i];
+  i32 = moe_tensor_new_from_bytes (MOE_DTYPE_I32, moe_tensor_get_shape (c.index, NULL), 2,
+                                   g_bytes_new_take (ids, n * sizeof (gint32)), NULL);
+  g_clear_object (&c.index);
+  c.index = g_steal_pointer (&i32);
+  out = run (&c, "grouped_mm");
+  g_assert_cmpfloat (moe_test_rel_error (out, c.reference), <=, 1e-5);
+  case_clear (&c);
+}
+
+static MoeTensor *
+new_tensor (MoeDType dtype, gint64 rows, gint64 cols, gconstpointer data)
+{
+  gint64 shape[2] = { rows, cols };
+  gsize size = rows * cols * moe_dtype_get_size (dtype);
+  g_autoptr(GBytes) bytes = g_bytes_new (data, size);
+  return moe_tensor_new_from_bytes (dtype, shape, 2, bytes, NULL);
+}
+
+static void
+expect_forward_error (Case *c, MoeTensor *hidden, MoeTensor *index, MoeTensor *weights,
+                      MoeError code, const char *substring)
+{
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeTensor) out = moe_experts_forward (c->experts, hidden, index, weights, &error);
+
+  g_assert_null (out);
+  g_assert_error (error, MOE_ERROR, (int) code);
+  g_test_message ("%s", error->message);
+  if (substring != NULL && strstr (error->message, substring) == NULL)
+    g_error ("“%s” does not mention “%s”", error->message, substring);
+}
+
+static void
+test_bad_inputs (void)
+{
+  Case c = { 0, };
+  gint64 T, K, E;
+  g_autofree gint64 *ids = NULL;
+  g_autofree float *zeros = NULL;
+
+  case_load (&c, "silu_concat", MOE_DTYPE_F32);
+  T = moe_tensor_get_dim (c.index, 0);
+  K = moe_tensor_get_dim (c.index, 1);
+  E = moe_experts_get_num_experts (c.experts);
+  ids = g_memdup2 (moe_tensor_get_data (c.index), T * K * sizeof (gint64));
+  zeros = g_new0 (float, T * 128);
+
+  for (const char *const *b = (const char *const[]) { "eager", "batched_mm", "grouped_mm", NULL }; *b; b++)
+    {
+      moe_experts_set_implementation (c.experts, *b);
+
+      /* a negative expert id */
+      ids[3] = -1;
+      {
+        g_autoptr(MoeTensor) bad = new_tensor (MOE_DTYPE_I64, T, K, ids);
+        expect_forward_error (&c, c.hidden, bad, c.weights, MOE_ERROR_INVALID_ARGUMENT, "-1");
+      }
+      /* an id past the sentinel */
+      ids[3] = E + 1;
+      {
+        g_autoptr(MoeTensor) bad = new_tensor (MOE_DTYPE_I64, T, K, ids);
+        expect_forward_error (&c, c.hidden, bad, c.weights, MOE_ERROR_INVALID_ARGUMENT, "valid expert ids");
+      }
+      ids[3] = 0;
+      /* hidden of the wrong width */
+      {
+        g_autoptr(MoeTensor) bad = new_tensor (MOE_DTYPE_F32, T, 128, zeros);
+        expect_forward_error (&c, bad, c.index, c.weights, MOE_ERROR_SHAPE_MISMATCH, "hidden_states");
+      }
+      /* routing of another token count */
+      {
+        g_autoptr(MoeTensor) bad = new_tensor (MOE_DTYPE_I64, T - 1, K, ids);
+        expect_forward_error (&c, c.hidden, bad, c.weights, MOE_ERROR_SHAPE_MISMATCH, "top_k_index");
+      }
+      /* index of a float dtype */
+      {
+        g_autoptr(MoeTensor) bad = new_tensor (MOE_DTYPE_F32, T, K, zeros);
+        expect_forward_error (&c, c.hidden, bad, c.weights, MOE_ERROR_DTYPE_MISMATCH, "I64");
+      }
+      /* weights of another shape */
+      {
+        g_autoptr(MoeTensor) bad = new_tensor (MOE_DTYPE_F32, T, K + 1, zeros);
+        expect_forward_error (&c, c.hidden, c.index, bad, MOE_ERROR_SHAPE_MISMATCH, "top_k_weights");
+      }
+      /* integer hidden states */
+      {
+        g_autoptr(MoeTensor) bad = new_tensor (MOE_DTYPE_I32, T, moe_experts_get_hidden_size (c.experts), zeros);
+        expect_forward_error (&c, bad, c.index, c.weights, MOE_ERROR_DTYPE_MISMATCH, "hidden_states");
+      }
+    }
+
+  /* an unknown backend lists the available ones */
+  moe_experts_set_implementation (c.experts, "no_such_backend");
+  expect_forward_error (&c, c.hidden, c.index, c.weights, MOE_ERROR_UNKNOWN_BACKEND, "grouped_mm");
+  moe_experts_set_implementation (c.experts, "grouped_mm");
+
+  /* an unknown activation */
+  moe_experts_set_activation (c.experts, "swishy");
+  expect_forward_error (&c, c.hidden, c.index, c.weights, MOE_ERROR_INVALID_ARGUMENT, "gelu_pytorch_tanh");
+  moe_experts_set_activation (c.experts, "silu");
+
+  /* the layout flags disagree with the weights */
+  moe_experts_set_is_transposed (c.experts, TRUE);
+  expect_forward_error (&c, c.hidden, c.index, c.weights, MOE_ERROR_SHAPE_MISMATCH, "transposed");
+  moe_experts_set_is_transposed (c.experts, FALSE);
+  moe_experts_set_has_gate (c.experts, FALSE);
+  expect_forward_error (&c, c.hidden, c.index, c.weights, MOE_ERROR_SHAPE_MISMATCH, "ungated");
+  moe_experts_set_has_gate (c.experts, TRUE);
+
+  /* a bias of the wrong shape */
+  {
+    g_autoptr(MoeTensor) bias = new_tensor (MOE_DTYPE_F32, E, 3, zeros);
+    moe_experts_set_down_bias (c.experts, bias);
+    expect_forward_error (&c, c.hidden, c.index, c.weights, MOE_ERROR_SHAPE_MISMATCH, "down-bias");
+    moe_experts_set_down_bias (c.experts, NULL);
+  }
+
+  /* a device that does not exist here */
+  moe_experts_set_device (c.experts, "tpu");
+  expect_forward_error (&c, c.hidden, c.index, c.weights, MOE_ERROR_NO_DEVICE, "cpu");
+  moe_experts_set_device (c.experts, "cpu");
+
+  /* and after all that the experts still work */
+  {
+    g_autoptr(MoeTensor) out = run (&c, "grouped_mm");
+    g_assert_cmpfloat (moe_test_rel_error (out, c.reference), <=, 1e-5);
+  }
+  case_clear (&c);
+}
+
+static void
+test_weights_not_3d (void)
+{
+  float data[8] = { 0, };
+  g_autoptr(MoeTensor) up = new_tensor (MOE_DTYPE_F32, 2, 4, data);
+  g_autoptr(MoeTensor) down = new_tensor (MOE_DTYPE_F32, 2, 4, data);
+  g_autoptr(MoeExperts) experts = moe_experts_new (up, down);
+  g_autoptr(GError) error = NULL;
+
+  g_assert_false (moe_experts_validate (experts, &error));
+  g_assert_error (error, MOE_ERROR, MOE_ERROR_SHAPE_MISMATCH);
+  g_assert_cmpuint (moe_experts_get_num_experts (experts), ==, 0);
+}
+
+static void
+count_notify (GObject *object, GParamSpec *pspec, gpointer data)
+{
+  (*(guint *) data)++;
+}
+
+static void
+test_properties (void)
+{
+  Case c = { 0, };
+  guint notified = 0;
+  g_autofree char *impl = NULL;
+
+  case_load (&c, "gelu_concat", MOE_DTYPE_F32);
+  g_assert_cmpuint (moe_experts_get_num_experts (c.experts), ==, 16);
+  g_assert_cmpuint (moe_experts_get_hidden_size (c.experts), ==, 128);
+  g_assert_cmpuint (moe_experts_get_intermediate_size (c.experts), ==, 96);
+  g_assert_cmpstr (moe_experts_get_device (c.experts), ==, "cpu");
+
+  g_signal_connect (c.experts, "notify::implementation", G_CALLBACK (count_notify), &notified);
+  moe_experts_set_implementation (c.experts, "eager");
+  moe_experts_set_implementation (c.experts, "eager");   /* no change, no notify */
+  g_object_set (c.experts, "implementation", "batched_mm", NULL);
+  g_assert_cmpuint (notified, ==, 2);
+  g_object_get (c.experts, "implementation", &impl, NULL);
+  g_assert_cmpstr (impl, ==, "batched_mm");
+  moe_experts_set_implementation (c.experts, NULL);
+  g_assert_cmpstr (moe_experts_get_implementation (c.experts), ==, "grouped_mm");
+  case_clear (&c);
+}
+
+int
+main (int argc, char *argv[])
+{
+  g_test_init (&argc, &argv, NULL);
+
+  for (guint i = 0; i < G_N_ELEMENTS (fixtures); i++)
+    {
+      g_autofree char *p32 = g_strdup_printf ("/experts/fixture/f32/%s", fixtures[i]);
+      g_autofree char *p16 = g_strdup_printf ("/experts/fixture/bf16/%s", fixtures[i]);
+      g_autofree char *ph = g_strdup_printf ("/experts/fixture/f16/%s", fixtures[i]);
+      g_test_add_data_func (p32, fixtures[i], test_fixture_f32);
+      g_test_add_data_func (p16, fixtures[i], test_fixture_bf16);
+      g_test_add_data_func (ph, fixtures[i], test_fixture_f16);
+    }
+  g_test_add_func ("/experts/sentinel", test_sentinel_contributes_nothing);
+  g_test_add_func ("/experts/int32-index", test_int32_index);
+  g_test_add_func ("/experts/bad-inputs", test_bad_inputs);
+  g_test_add_func ("/experts/weights-not-3d", test_weights_not_3d);
+  g_test_add_func ("/experts/properties", test_properties);
+
+  return g_test_run ();
+}
