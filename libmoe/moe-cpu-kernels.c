@@ -14,11 +14,68 @@
  * the expert's matrix is widened once into scratch so that sgemm can run. */
 #define DIRECT_MAX_ROWS 8
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
-# define MOE_CLONES __attribute__((target_clones ("arch=haswell", "default")))
-#else
-# define MOE_CLONES
+/* The hot loops are written once as always-inline bodies and compiled
+ * twice: for AVX2+FMA and for the baseline, picked at run time. */
+#define MOE_BODY static inline __attribute__((always_inline))
+#if defined(__x86_64__) && defined(__GNUC__)
+# define MOE_HAVE_AVX2_VARIANTS 1
+# define MOE_AVX2 __attribute__((target ("avx2,fma")))
 #endif
+
+#ifdef MOE_HAVE_AVX2_VARIANTS
+static gboolean
+cpu_has_avx2_fma (void)
+{
+  static int has = -1;
+  if (has < 0)
+    {
+      __builtin_cpu_init ();
+      has = __builtin_cpu_supports ("avx2") && __builtin_cpu_supports ("fma");
+    }
+  return has;
+}
+# define MOE_DISPATCH(name, ...) \
+  (cpu_has_avx2_fma () ? name##_avx2 (__VA_ARGS__) : name##_base (__VA_ARGS__))
+# define MOE_VARIANTS(name, params, args)                 \
+  MOE_AVX2 static void name##_avx2 params { name##_body args; } \
+  static void name##_base params { name##_body args; }
+#else
+# define MOE_DISPATCH(name, ...) name##_base (__VA_ARGS__)
+# define MOE_VARIANTS(name, params, args)                 \
+  static void name##_base params { name##_body args; }
+#endif
+
+typedef float   v8f   __attribute__ ((vector_size (32)));
+typedef guint16 v8u16 __attribute__ ((vector_size (16)));
+typedef guint32 v8u32 __attribute__ ((vector_size (32)));
+
+/* Eight bf16 values widened to float: a 16-bit shift of each. */
+MOE_BODY v8f
+load8_bf16 (const guint16 *p)
+{
+  v8u16 h;
+  v8u32 u;
+  v8f f;
+
+  memcpy (&h, p, sizeof h);
+  u = __builtin_convertvector (h, v8u32) << 16;
+  memcpy (&f, &u, sizeof f);
+  return f;
+}
+
+MOE_BODY v8f
+load8_f32 (const float *p)
+{
+  v8f f;
+  memcpy (&f, p, sizeof f);
+  return f;
+}
+
+MOE_BODY float
+hsum8 (v8f v)
+{
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
 
 gboolean
 moe_cpu_activation_from_name (const char       *name,
@@ -117,15 +174,20 @@ load_f32 (MoeDType      dtype,
     }
 }
 
-MOE_CLONES static void
-bf16_to_f32_array (const guint16 *src, float *dst, gsize n)
+MOE_BODY void
+bf16_to_f32_array_body (const guint16 *src, float *dst, gsize n)
 {
-  for (gsize i = 0; i < n; i++)
+  gsize i = 0;
+
+  for (; i + 8 <= n; i += 8)
     {
-      union { guint32 u; float f; } c = { .u = (guint32) src[i] << 16 };
-      dst[i] = c.f;
+      v8f f = load8_bf16 (src + i);
+      memcpy (dst + i, &f, sizeof f);
     }
+  for (; i < n; i++)
+    dst[i] = moe_bf16_to_f32 (src[i]);
 }
+MOE_VARIANTS (bf16_to_f32_array, (const guint16 *src, float *dst, gsize n), (src, dst, n))
 
 void
 moe_cpu_convert (MoeDType      src_dtype,
@@ -141,7 +203,7 @@ moe_cpu_convert (MoeDType      src_dtype,
     }
   if (src_dtype == MOE_DTYPE_BF16 && dst_dtype == MOE_DTYPE_F32)
     {
-      bf16_to_f32_array (src, dst, n);
+      MOE_DISPATCH (bf16_to_f32_array, src, dst, n);
       return;
     }
   for (gsize i = 0; i < n; i++)
@@ -207,52 +269,97 @@ get_scratch (gsize n)
   return s->data;
 }
 
-/* y[m, n] = x[m, k] · W[n, k]ᵀ with W in bf16, read in place. */
-MOE_CLONES static void
-matmul_bf16_nt (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y)
+/* y[m, n] = x[m, k] · W[n, k]ᵀ with W in bf16, read in place: each weight
+ * row is widened once and used for all m rows. Called with a constant m so
+ * that the accumulators stay in registers; two weight rows at a time for
+ * m ≤ 4 to keep more independent sums in flight. */
+MOE_BODY void
+matmul_bf16_nt_rows (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y)
 {
-  for (gsize j = 0; j < n; j++)
+  gsize k8 = k & ~(gsize) 7;
+  gsize step = m <= 4 ? 2 : 1;
+  gsize j = 0;
+
+  for (; j + step <= n; j += step)
     {
-      const guint16 *row = w + j * k;
-      for (gsize r = 0; r < m; r++)
-        {
-          const float *xr = x + r * k;
-          float acc[8] = { 0, };
-          gsize i = 0;
-          for (; i + 8 <= k; i += 8)
-            for (int l = 0; l < 8; l++)
-              {
-                union { guint32 u; float f; } c = { .u = (guint32) row[i + l] << 16 };
-                acc[l] += xr[i + l] * c.f;
-              }
-          float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-          for (; i < k; i++)
-            s += xr[i] * moe_bf16_to_f32 (row[i]);
-          y[r * n + j] = s;
-        }
+      v8f acc[2][DIRECT_MAX_ROWS];
+
+      for (gsize q = 0; q < step; q++)
+        for (gsize r = 0; r < m; r++)
+          acc[q][r] = (v8f) { 0, };
+      for (gsize i = 0; i < k8; i += 8)
+        for (gsize q = 0; q < step; q++)
+          {
+            v8f wv = load8_bf16 (w + (j + q) * k + i);
+            for (gsize r = 0; r < m; r++)
+              acc[q][r] += load8_f32 (x + r * k + i) * wv;
+          }
+      for (gsize q = 0; q < step; q++)
+        for (gsize r = 0; r < m; r++)
+          {
+            float sum = hsum8 (acc[q][r]);
+            for (gsize i = k8; i < k; i++)
+              sum += x[r * k + i] * moe_bf16_to_f32 (w[(j + q) * k + i]);
+            y[r * n + j + q] = sum;
+          }
+    }
+  for (; j < n; j++)
+    for (gsize r = 0; r < m; r++)
+      {
+        float sum = 0;
+        for (gsize i = 0; i < k; i++)
+          sum += x[r * k + i] * moe_bf16_to_f32 (w[j * k + i]);
+        y[r * n + j] = sum;
+      }
+}
+
+MOE_BODY void
+matmul_bf16_nt_body (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y)
+{
+  switch (m)
+    {
+    case 1: matmul_bf16_nt_rows (x, 1, w, n, k, y); break;
+    case 2: matmul_bf16_nt_rows (x, 2, w, n, k, y); break;
+    case 3: matmul_bf16_nt_rows (x, 3, w, n, k, y); break;
+    case 4: matmul_bf16_nt_rows (x, 4, w, n, k, y); break;
+    case 5: matmul_bf16_nt_rows (x, 5, w, n, k, y); break;
+    case 6: matmul_bf16_nt_rows (x, 6, w, n, k, y); break;
+    case 7: matmul_bf16_nt_rows (x, 7, w, n, k, y); break;
+    default:
+      g_assert (m == DIRECT_MAX_ROWS);
+      matmul_bf16_nt_rows (x, DIRECT_MAX_ROWS, w, n, k, y);
     }
 }
 
 /* y[m, n] = x[m, k] · W[k, n] with W in bf16, read in place. */
-MOE_CLONES static void
-matmul_bf16_nn (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y)
+MOE_BODY void
+matmul_bf16_nn_body (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y)
 {
+  gsize n8 = n & ~(gsize) 7;
+
   memset (y, 0, m * n * sizeof (float));
   for (gsize i = 0; i < k; i++)
     {
       const guint16 *row = w + i * n;
-      for (gsize r = 0; r < m; r++)
+      for (gsize j = 0; j < n8; j += 8)
         {
-          float a = x[r * k + i];
-          float *yr = y + r * n;
-          for (gsize j = 0; j < n; j++)
+          v8f wv = load8_bf16 (row + j);
+          for (gsize r = 0; r < m; r++)
             {
-              union { guint32 u; float f; } c = { .u = (guint32) row[j] << 16 };
-              yr[j] += a * c.f;
+              v8f yv = load8_f32 (y + r * n + j) + x[r * k + i] * wv;
+              memcpy (y + r * n + j, &yv, sizeof yv);
             }
         }
+      for (gsize j = n8; j < n; j++)
+        for (gsize r = 0; r < m; r++)
+          y[r * n + j] += x[r * k + i] * moe_bf16_to_f32 (row[j]);
     }
 }
+
+MOE_VARIANTS (matmul_bf16_nt, (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y),
+              (x, m, w, n, k, y))
+MOE_VARIANTS (matmul_bf16_nn, (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y),
+              (x, m, w, n, k, y))
 
 void
 moe_cpu_matmul (const float        *x,
@@ -268,9 +375,9 @@ moe_cpu_matmul (const float        *x,
   if (w->dtype == MOE_DTYPE_BF16 && m <= DIRECT_MAX_ROWS)
     {
       if (w->transposed)
-        matmul_bf16_nn (x, m, w->data, w->n, w->k, y);
+        MOE_DISPATCH (matmul_bf16_nn, x, m, w->data, w->n, w->k, y);
       else
-        matmul_bf16_nt (x, m, w->data, w->n, w->k, y);
+        MOE_DISPATCH (matmul_bf16_nt, x, m, w->data, w->n, w->k, y);
       return;
     }
 
