@@ -18,4 +18,7 @@
 # include "moe-checkpoint.h"
 # include "moe-plugin-info.h"
 # include "moe-plugin-registry.h"
+# include "moe-load-options.h"
+# include "moe-generation-config.h"
+# include "moe-model.h"
 #undef LIBMOE_INSIDE

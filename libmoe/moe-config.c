@@ -96,6 +96,19 @@ config_new_for_node (JsonNode   *node,
   return self;
 }
 
+JsonObject *
+_moe_config_get_json_object (MoeConfig *self)
+{
+  return json_node_get_object (self->root);
+}
+
+MoeConfig *
+_moe_config_new_for_json (JsonNode   *node,
+                          const char *name)
+{
+  return config_new_for_node (node, name, NULL);
+}
+
 /**
  * moe_config_new_from_data:
  * @data: JSON text

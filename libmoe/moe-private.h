@@ -25,7 +25,13 @@ GType    _moe_cpu_device_get_type     (void);
 
 G_END_DECLS
 
+#include <json-glib/json-glib.h>
+
 G_BEGIN_DECLS
+JsonObject *_moe_config_get_json_object (MoeConfig  *self);
+MoeConfig  *_moe_config_new_for_json    (JsonNode   *node,
+                                         const char *name);
+
 /* Checks shapes, dtypes and ids; on success @index_out is the index as I64. */
 gboolean _moe_experts_check_inputs (MoeExperts  *experts,
                                     MoeTensor   *hidden_states,

@@ -73,5 +73,6 @@ typedef struct _MoeTensor MoeTensor;
 typedef struct _MoeDevice MoeDevice;
 typedef struct _MoeExperts MoeExperts;
 typedef struct _MoeExpertsBackend MoeExpertsBackend;
+typedef struct _MoeModel MoeModel;
 
 G_END_DECLS

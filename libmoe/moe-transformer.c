@@ -1,0 +1,1355 @@
+/* moe-transformer.c: the decoder stack behind MoeModel, on the CPU
+ *
+ * One code path for every supported family; what differs between them is
+ * data read from config.json into the structures below (how attention is
+ * projected and normalised, how RoPE is laid out, how the router picks
+ * experts, whether a shared expert is added). Activations are float32;
+ * weights stay in the model dtype and are read in place. In a bf16 or f16
+ * model every op's output is rounded to that dtype, as torch computes it.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include "config.h"
+
+#include <math.h>
+#include <string.h>
+#include <json-glib/json-glib.h>
+
+#include "moe-transformer-private.h"
+#include "moe-cpu-kernels.h"
+
+typedef enum {
+  FAMILY_QWEN2_MOE,
+  FAMILY_QWEN3_MOE,
+  FAMILY_QWEN3_VL_MOE,
+  FAMILY_MIXTRAL,
+  FAMILY_OLMOE,
+  FAMILY_DEEPSEEK_V3,
+  FAMILY_GPT_OSS,
+} Family;
+
+static const struct { const char *model_type; Family family; } families[] = {
+  { "qwen2_moe", FAMILY_QWEN2_MOE },
+  { "qwen3_moe", FAMILY_QWEN3_MOE },
+  { "qwen3_vl_moe", FAMILY_QWEN3_VL_MOE },
+  { "mixtral", FAMILY_MIXTRAL },
+  { "olmoe", FAMILY_OLMOE },
+  { "deepseek_v3", FAMILY_DEEPSEEK_V3 },
+  { "gpt_oss", FAMILY_GPT_OSS },
+};
+
+typedef enum {
+  ROUTER_SOFTMAX_TOPK,     /* Qwen, Mixtral, OLMoE: softmax over E, top-k, optional renorm */
+  ROUTER_SIGMOID_GROUPED,  /* DeepSeek-V3: sigmoid, biased group-limited choice */
+  ROUTER_TOPK_SOFTMAX,     /* GPT-OSS: biased logits, top-k, softmax over the k */
+} RouterKind;
+
+typedef enum {
+  QK_NORM_NONE,
+  QK_NORM_PER_HEAD,        /* Qwen3: RMSNorm over head_dim */
+  QK_NORM_FULL,            /* OLMoE: RMSNorm over the whole projection */
+} QkNorm;
+
+typedef struct {
+  MoeTensor *weight;       /* [out, in], model dtype */
+  MoeTensor *bias;         /* [out] or NULL */
+} Linear;
+
+typedef struct {
+  /* attention */
+  float      *input_norm;
+  float      *post_norm;
+  Linear      q, k, v, o;
+  float      *q_norm, *k_norm;
+  Linear      q_a, q_b, kv_a, kv_b;       /* MLA */
+  float      *q_a_norm, *kv_a_norm;
+  float      *sinks;                      /* [heads] or NULL */
+  guint       window;                     /* sliding window, 0 = full */
+  /* feed-forward */
+  gboolean    is_moe;
+  Linear      gate, up, down;             /* dense MLP, or the shared expert */
+  Linear      shared_gate;                /* Qwen2-MoE: sigmoid gate of the shared expert */
+  float      *router;                     /* [E, H] float32 */
+  float      *router_bias;                /* [E] or NULL */
+  float      *score_bias;                 /* DeepSeek e_score_correction_bias [E] */
+  MoeExperts *experts;
+} Layer;
+
+struct _MoeTransformer
+{
+  Family      family;
+  char       *experts_key;
+  MoeDType    dtype;
+  guint       hidden, layers, heads, kv_heads, head_dim, v_head_dim, vocab;
+  guint       rope_dim;                   /* rotated dims per head */
+  guint       nope_dim;                   /* MLA: dims per head without RoPE */
+  guint       q_lora, kv_lora;
+  float       eps;
+  float       scaling;                    /* attention score scale */
+  float      *inv_freq;                   /* [rope_dim / 2] */
+  float       rope_scale;                 /* YaRN's attention factor on cos/sin */
+  gboolean    rope_interleaved;           /* DeepSeek: rotate (x0, x1), (x2, x3)… */
+  QkNorm      qk_norm;
+  double      clip_qkv;
+  RouterKind  router_kind;
+  guint       num_experts, top_k;
+  gboolean    norm_topk;
+  gboolean    weights_in_act_dtype;       /* Qwen/OLMoE cast routing weights to the logits dtype */
+  double      routed_scale;
+  guint       n_group, topk_group;
+  gboolean    shared_gated;               /* Qwen2-MoE */
+  gboolean    has_shared;
+  char       *act;
+  MoeCpuActivation act_fn;
+  MoeTensor  *embed;                      /* [V, H] */
+  float      *final_norm;
+  MoeTensor  *lm_head;                    /* [V, H] */
+  Layer      *layer;
+  GPtrArray  *all_experts;
+};
+
+struct _MoeKvCache
+{
+  MoeTransformer *model;
+  guint           batch;
+  guint           length;
+  guint           capacity;
+  float         **k;                      /* per layer [capacity][B][kv_heads][dk] */
+  float         **v;                      /* per layer [capacity][B][kv_heads][dv] */
+};
+
+/* ------------------------------------------------------------------ */
+/* Loading                                                             */
+
+typedef struct {
+  MoeCheckpoint *ck;
+  MoeDType       dtype;
+  const char    *prefix;    /* "model." or "model.language_model." */
+  GError       **error;
+} Loader;
+
+static MoeTensor *
+load_tensor (Loader *l, const char *name, gboolean required, guint n_dims, const gint64 *shape)
+{
+  g_autoptr(MoeTensor) t = NULL;
+  MoeTensor *out;
+
+  if (*l->error != NULL)
+    return NULL;
+  if (!moe_checkpoint_has_tensor (l->ck, name))
+    {
+      if (required)
+        g_set_error (l->error, MOE_ERROR, MOE_ERROR_NOT_FOUND,
+                     "%s: the checkpoint has no tensor “%s”", moe_checkpoint_get_path (l->ck), name);
+      return NULL;
+    }
+  t = moe_checkpoint_get_tensor (l->ck, name, l->error);
+  if (t == NULL)
+    return NULL;
+  if (shape != NULL && !moe_tensor_has_shape (t, shape, n_dims))
+    {
+      g_autofree char *have = moe_tensor_to_string (t);
+      GString *want = g_string_new (NULL);
+      for (guint i = 0; i < n_dims; i++)
+        g_string_append_printf (want, "%s%" G_GINT64_FORMAT, i ? ", " : "", shape[i]);
+      g_set_error (l->error, MOE_ERROR, MOE_ERROR_SHAPE_MISMATCH,
+                   "%s: tensor “%s” is %s, but the config implies [%s]",
+                   moe_checkpoint_get_path (l->ck), name, have, want->str);
+      g_string_free (want, TRUE);
+      return NULL;
+    }
+  if (!moe_dtype_is_float (moe_tensor_get_dtype (t)))
+    {
+      g_set_error (l->error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
+                   "%s: tensor “%s” is %s; quantized checkpoints are not supported yet",
+                   moe_checkpoint_get_path (l->ck), name, moe_dtype_get_name (moe_tensor_get_dtype (t)));
+      return NULL;
+    }
+  /* same dtype: the tensor stays a view of the mapped file */
+  out = moe_tensor_to_dtype (t, l->dtype, l->error);
+  return out;
+}
+
+static float *
+load_f32 (Loader *l, const char *name, gboolean required, gint64 size)
+{
+  g_autoptr(MoeTensor) t = load_tensor (l, name, required, 1, &size);
+  return t ? moe_cpu_tensor_dup_f32 (t) : NULL;
+}
+
+static void
+load_linear (Loader *l, Linear *lin, const char *name, gint64 out, gint64 in, gboolean bias)
+{
+  g_autofree char *w = g_strdup_printf ("%s.weight", name);
+  g_autofree char *b = g_strdup_printf ("%s.bias", name);
+  gint64 shape[2] = { out, in };
+
+  lin->weight = load_tensor (l, w, TRUE, 2, shape);
+  if (bias)
+    lin->bias = load_tensor (l, b, TRUE, 1, &out);
+}
+
+static void
+linear_clear (Linear *lin)
+{
+  g_clear_object (&lin->weight);
+  g_clear_object (&lin->bias);
+}
+
+static gboolean
+config_int (MoeConfig *c, const char *key, gint64 min, gint64 *out, GError **error)
+{
+  *out = moe_config_get_int (c, key, error);
+  if (error != NULL && *error != NULL)
+    return FALSE;
+  if (*out < min || *out > G_MAXINT32)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
+                   "%s: “%s” is %" G_GINT64_FORMAT "; it must be between %" G_GINT64_FORMAT " and %d",
+                   *moe_config_get_name (c) ? moe_config_get_name (c) : "config", key, *out, min, G_MAXINT32);
+      return FALSE;
+    }
+  return TRUE;
+}
+
+static gint64
+first_int (MoeConfig *c, const char * const *keys, gint64 fallback, GError **error)
+{
+  for (guint i = 0; keys[i] != NULL; i++)
+    if (!moe_config_is_null (c, keys[i]))
+      return moe_config_get_int (c, keys[i], error);
+  if (fallback < 0)
+    {
+      g_autofree char *list = g_strjoinv (" or ", (char **) keys);
+      g_set_error (error, MOE_ERROR, MOE_ERROR_MISSING_KEY, "config: %s is missing", list);
+    }
+  return fallback;
+}
+
+/* RoPE: the inverse frequencies and YaRN's attention factor, as
+ * transformers' modeling_rope_utils computes them in float32. */
+static gboolean
+setup_rope (MoeTransformer *self, MoeConfig *c, GError **error)
+{
+  g_autoptr(GError) local = NULL;
+  MoeConfig *params = NULL;
+  g_autofree char *type = NULL;
+  double theta, factor = 1.0, partial = 1.0;
+  JsonObject *obj = _moe_config_get_json_object (c);
+  JsonNode *rp = json_object_get_member (obj, "rope_parameters");
+  g_autoptr(MoeConfig) rope = NULL;
+  guint dim = self->rope_dim;
+
+  if (rp == NULL || !JSON_NODE_HOLDS_OBJECT (rp))
+    rp = json_object_get_member (obj, "rope_scaling");
+  if (rp != NULL && JSON_NODE_HOLDS_OBJECT (rp))
+    rope = params = _moe_config_new_for_json (rp, "rope_parameters");
+
+  theta = params ? moe_config_get_double_or (params, "rope_theta", NAN, &local) : NAN;
+  if (isnan (theta) && local == NULL)
+    theta = moe_config_get_double_or (c, "rope_theta", 10000.0, &local);
+  if (local == NULL && params != NULL)
+    type = moe_config_dup_string_or (params, "rope_type", NULL, &local);
+  if (local == NULL && type == NULL && params != NULL)
+    type = moe_config_dup_string_or (params, "type", "default", &local);
+  if (local == NULL)
+    partial = params ? moe_config_get_double_or (params, "partial_rotary_factor",
+                                                 moe_config_get_double_or (c, "partial_rotary_factor", 1.0, NULL), &local)
+                     : moe_config_get_double_or (c, "partial_rotary_factor", 1.0, &local);
+  if (local != NULL)
+    {
+      g_propagate_error (error, g_steal_pointer (&local));
+      return FALSE;
+    }
+  if (type == NULL)
+    type = g_strdup ("default");
+  if (partial < 1.0)
+    dim = (guint) (self->rope_dim * partial);
+  self->rope_dim = dim;
+  self->rope_scale = 1.0f;
+  self->inv_freq = g_new (float, MAX (dim / 2, 1));
+  for (guint i = 0; i < dim / 2; i++)
+    self->inv_freq[i] = (float) (1.0 / pow (theta, (double) (2 * i) / dim));
+
+  if (g_str_equal (type, "default"))
+    return TRUE;
+  if (g_str_equal (type, "linear"))
+    {
+      factor = moe_config_get_double (params, "factor", error);
+      for (guint i = 0; i < dim / 2; i++)
+        self->inv_freq[i] /= (float) factor;
+      return error == NULL || *error == NULL;
+    }
+  if (g_str_equal (type, "yarn"))
+    {
+      double beta_fast, beta_slow, orig, attention_factor, low, high, mscale, mscale_all;
+      gboolean truncate;
+
+      factor = moe_config_get_double (params, "factor", &local);
+      if (local == NULL)
+        orig = moe_config_get_double (params, "original_max_position_embeddings", &local);
+      if (local != NULL)
+        {
+          g_propagate_error (error, g_steal_pointer (&local));
+          return FALSE;
+        }
+      beta_fast = moe_config_get_double_or (params, "beta_fast", 32, NULL);
+      beta_slow = moe_config_get_double_or (params, "beta_slow", 1, NULL);
+      truncate = moe_config_get_boolean_or (params, "truncate", TRUE, NULL);
+      mscale = moe_config_get_double_or (params, "mscale", 0, NULL);
+      mscale_all = moe_config_get_double_or (params, "mscale_all_dim", 0, NULL);
+      attention_factor = moe_config_get_double_or (params, "attention_factor", NAN, NULL);
+#define GET_MSCALE(s, m) ((s) <= 1 ? 1.0 : 0.1 * (m) * log (s) + 1.0)
+      if (isnan (attention_factor))
+        attention_factor = (mscale != 0 && mscale_all != 0)
+          ? GET_MSCALE (factor, mscale) / GET_MSCALE (factor, mscale_all)
+          : GET_MSCALE (factor, 1);
+#undef GET_MSCALE
+#define CORRECTION_DIM(rot) ((dim * log (orig / ((rot) * 2 * G_PI))) / (2 * log (theta)))
+      low = CORRECTION_DIM (beta_fast);
+      high = CORRECTION_DIM (beta_slow);
+#undef CORRECTION_DIM
+      if (truncate)
+        {
+          low = floor (low);
+          high = ceil (high);
+        }
+      low = MAX (low, 0);
+      high = MIN (high, dim - 1);
+      if (low == high)
+        high += 0.001;
+      for (guint i = 0; i < dim / 2; i++)
+        {
+          float pos_freq = powf ((float) theta, (float) (2 * i) / (float) dim);
+          float extrapolation = 1.0f / pos_freq;
+          float interpolation = 1.0f / ((float) factor * pos_freq);
+          float ramp = CLAMP (((float) i - (float) low) / (float) (high - low), 0.0f, 1.0f);
+          float extrapolation_factor = 1.0f - ramp;
+          self->inv_freq[i] = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor;
+        }
+      self->rope_scale = (float) attention_factor;
+      return TRUE;
+    }
+  g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+               "config: rope type “%s” is not supported; supported: default, linear, yarn", type);
+  return FALSE;
+}
+
+static gboolean
+is_sparse_layer (MoeTransformer *self, MoeConfig *c, guint i, GArray *mlp_only, gint64 sparse_step, gint64 first_dense)
+{
+  if (self->family == FAMILY_DEEPSEEK_V3)
+    return i >= first_dense;
+  if (self->family == FAMILY_MIXTRAL || self->family == FAMILY_GPT_OSS || self->family == FAMILY_OLMOE)
+    return TRUE;
+  for (guint j = 0; mlp_only && j < mlp_only->len; j++)
+    if (g_array_index (mlp_only, gint64, j) == i)
+      return FALSE;
+  return self->num_experts > 0 && sparse_step > 0 && (i + 1) % sparse_step == 0;
+}
+
+static guint
+layer_window (MoeTransformer *self, MoeConfig *c, guint i, GError **error)
+{
+  JsonObject *obj = _moe_config_get_json_object (c);
+  JsonNode *types = json_object_get_member (obj, "layer_types");
+  gint64 window = moe_config_get_int_or (c, "sliding_window", 0, NULL);
+
+  if (window <= 0)
+    return 0;
+  if (types != NULL && JSON_NODE_HOLDS_ARRAY (types))
+    {
+      JsonArray *a = json_node_get_array (types);
+      const char *t = i < json_array_get_length (a) ? json_array_get_string_element (a, i) : NULL;
+      return g_strcmp0 (t, "sliding_attention") == 0 ? (guint) window : 0;
+    }
+  if (!moe_config_get_boolean_or (c, "use_sliding_window", TRUE, NULL))
+    return 0;
+  return (guint) window;
+}
+
+static gboolean
+load_layer (MoeTransformer *self, MoeConfig *c, Loader *l, guint i, gboolean sparse, gint64 dense_inter,
+            gint64 shared_inter, GError **error)
+{
+  Layer *L = &self->layer[i];
+  g_autofree char *p = g_strdup_printf ("%slayers.%u", l->prefix, i);
+  g_autofree char *name = NULL;
+  gint64 H = self->hidden, nh = self->heads, nkv = self->kv_heads, hd = self->head_dim;
+  gboolean attn_bias = moe_config_get_boolean_or (c, "attention_bias", FALSE, NULL);
+
+#define N(fmt, ...) (g_free (name), name = g_strdup_printf ("%s." fmt, p, ##__VA_ARGS__))
+
+  L->input_norm = load_f32 (l, N ("input_layernorm.weight"), TRUE, H);
+  L->post_norm = load_f32 (l, N ("post_attention_layernorm.weight"), TRUE, H);
+  L->window = layer_window (self, c, i, error);
+
+  if (self->family == FAMILY_DEEPSEEK_V3)
+    {
+      gint64 qk = self->nope_dim + self->rope_dim;
+      if (self->q_lora > 0)
+        {
+          load_linear (l, &L->q_a, N ("self_attn.q_a_proj"), self->q_lora, H, attn_bias);
+          L->q_a_norm = load_f32 (l, N ("self_attn.q_a_layernorm.weight"), TRUE, self->q_lora);
+          load_linear (l, &L->q_b, N ("self_attn.q_b_proj"), nh * qk, self->q_lora, FALSE);
+        }
+      else
+        load_linear (l, &L->q, N ("self_attn.q_proj"), nh * qk, H, FALSE);
+      load_linear (l, &L->kv_a, N ("self_attn.kv_a_proj_with_mqa"), self->kv_lora + self->rope_dim, H, attn_bias);
+      L->kv_a_norm = load_f32 (l, N ("self_attn.kv_a_layernorm.weight"), TRUE, self->kv_lora);
+      load_linear (l, &L->kv_b, N ("self_attn.kv_b_proj"), nh * (self->nope_dim + self->v_head_dim), self->kv_lora, FALSE);
+      load_linear (l, &L->o, N ("self_attn.o_proj"), H, nh * self->v_head_dim, attn_bias);
+    }
+  else
+    {
+      gboolean qkv_bias = self->family == FAMILY_QWEN2_MOE
+        ? moe_config_get_boolean_or (c, "qkv_bias", TRUE, NULL) : attn_bias;
+      load_linear (l, &L->q, N ("self_attn.q_proj"), nh * hd, H, qkv_bias);
+      load_linear (l, &L->k, N ("self_attn.k_proj"), nkv * hd, H, qkv_bias);
+      load_linear (l, &L->v, N ("self_attn.v_proj"), nkv * hd, H, qkv_bias);
+      load_linear (l, &L->o, N ("self_attn.o_proj"), H, nh * hd, self->family == FAMILY_GPT_OSS ? attn_bias : FALSE);
+      if (self->qk_norm == QK_NORM_PER_HEAD)
+        {
+          L->q_norm = load_f32 (l, N ("self_attn.q_norm.weight"), TRUE, hd);
+          L->k_norm = load_f32 (l, N ("self_attn.k_norm.weight"), TRUE, hd);
+        }
+      else if (self->qk_norm == QK_NORM_FULL)
+        {
+          L->q_norm = load_f32 (l, N ("self_attn.q_norm.weight"), TRUE, nh * hd);
+          L->k_norm = load_f32 (l, N ("self_attn.k_norm.weight"), TRUE, nkv * hd);
+        }
+      if (self->family == FAMILY_GPT_OSS)
+        L->sinks = load_f32 (l, N ("self_attn.sinks"), TRUE, nh);
+    }
+
+  L->is_moe = sparse;
+  if (!sparse)
+    {
+      load_linear (l, &L->gate, N ("mlp.gate_proj"), dense_inter, H, FALSE);
+      load_linear (l, &L->up, N ("mlp.up_proj"), dense_inter, H, FALSE);
+      load_linear (l, &L->down, N ("mlp.down_proj"), H, dense_inter, FALSE);
+      return *error == NULL;
+    }
+
+  {
+    const char *module = self->family == FAMILY_MIXTRAL && moe_checkpoint_has_tensor (l->ck, N ("block_sparse_moe.gate.weight"))
+      ? "block_sparse_moe" : "mlp";
+    const char *router = self->family == FAMILY_GPT_OSS ? "router" : "gate";
+    g_autofree char *experts_prefix = g_strdup_printf ("%s.%s.experts", p, module);
+    gint64 E = self->num_experts;
+
+    {
+      gint64 rs[2] = { E, H };
+      g_autoptr(MoeTensor) r = load_tensor (l, N ("%s.%s.weight", module, router), TRUE, 2, rs);
+      if (r == NULL)
+        return FALSE;
+      L->router = moe_cpu_tensor_dup_f32 (r);
+    }
+    if (self->family == FAMILY_GPT_OSS)
+      L->router_bias = load_f32 (l, N ("%s.router.bias", module), TRUE, E);
+    if (self->family == FAMILY_DEEPSEEK_V3)
+      L->score_bias = load_f32 (l, N ("%s.gate.e_score_correction_bias", module), TRUE, E);
+    if (*error != NULL)
+      return FALSE;
+
+    L->experts = moe_checkpoint_load_experts (l->ck, experts_prefix, error);
+    if (L->experts == NULL)
+      return FALSE;
+    if (moe_tensor_get_dtype (moe_experts_get_up_weight (L->experts)) != l->dtype)
+      {
+        g_autoptr(MoeTensor) up = moe_tensor_to_dtype (moe_experts_get_up_weight (L->experts), l->dtype, error);
+        g_autoptr(MoeTensor) down = up ? moe_tensor_to_dtype (moe_experts_get_down_weight (L->experts), l->dtype, error) : NULL;
+        g_autoptr(MoeExperts) converted = NULL;
+        gboolean transposed = moe_experts_get_is_transposed (L->experts);
+        MoeTensor *ub = moe_experts_get_up_bias (L->experts), *db = moe_experts_get_down_bias (L->experts);
+        if (down == NULL)
+          return FALSE;
+        converted = moe_experts_new (up, down);
+        moe_experts_set_is_transposed (converted, transposed);
+        if (ub != NULL)
+          {
+            g_autoptr(MoeTensor) b = moe_tensor_to_dtype (ub, l->dtype, error);
+            moe_experts_set_up_bias (converted, b);
+          }
+        if (db != NULL)
+          {
+            g_autoptr(MoeTensor) b = moe_tensor_to_dtype (db, l->dtype, error);
+            moe_experts_set_down_bias (converted, b);
+          }
+        g_set_object (&L->experts, converted);
+      }
+    moe_experts_set_activation (L->experts, self->act);
+    if (self->family == FAMILY_GPT_OSS)
+      {
+        moe_experts_set_gate_layout (L->experts, MOE_GATE_LAYOUT_INTERLEAVED);
+        moe_experts_set_swiglu_limit (L->experts, moe_config_get_double_or (c, "swiglu_limit", 7.0, NULL));
+      }
+    if (moe_experts_get_num_experts (L->experts) != E)
+      {
+        g_set_error (error, MOE_ERROR, MOE_ERROR_SHAPE_MISMATCH,
+                     "%s: layer %u holds %u experts, the config says %" G_GINT64_FORMAT,
+                     moe_checkpoint_get_path (l->ck), i, moe_experts_get_num_experts (L->experts), E);
+        return FALSE;
+      }
+    if (moe_experts_get_hidden_size (L->experts) != H || !moe_experts_validate (L->experts, error))
+      {
+        if (*error == NULL)
+          g_set_error (error, MOE_ERROR, MOE_ERROR_SHAPE_MISMATCH,
+                       "%s: layer %u's experts have hidden size %u, the config says %" G_GINT64_FORMAT,
+                       moe_checkpoint_get_path (l->ck), i, moe_experts_get_hidden_size (L->experts), H);
+        return FALSE;
+      }
+    g_ptr_array_add (self->all_experts, g_object_ref (L->experts));
+
+    if (self->has_shared)
+      {
+        const char *shared = self->family == FAMILY_DEEPSEEK_V3 ? "shared_experts" : "shared_expert";
+        load_linear (l, &L->gate, N ("mlp.%s.gate_proj", shared), shared_inter, H, FALSE);
+        load_linear (l, &L->up, N ("mlp.%s.up_proj", shared), shared_inter, H, FALSE);
+        load_linear (l, &L->down, N ("mlp.%s.down_proj", shared), H, shared_inter, FALSE);
+        if (self->shared_gated)
+          load_linear (l, &L->shared_gate, N ("mlp.shared_expert_gate"), 1, H, FALSE);
+      }
+  }
+#undef N
+  return *error == NULL;
+}
+
+MoeTransformer *
+_moe_transformer_new (MoeConfig      *top,
+                      MoeCheckpoint  *ck,
+                      MoeDType        dtype,
+                      GCancellable   *cancellable,
+                      GError        **error)
+{
+  MoeTransformer *self = g_new0 (MoeTransformer, 1);
+  g_autoptr(GError) local = NULL;
+  g_autoptr(GArray) mlp_only = NULL;
+  const char *model_type = moe_config_get_model_type (top);
+  MoeConfig *c = top;
+  Loader l = { ck, dtype, "model.", &local };
+  gint64 v, dense_inter = 0, moe_inter = 0, shared_inter = 0, sparse_step = 1, first_dense = 0;
+  static const char *experts_keys[] = { "num_experts", "num_local_experts", "n_routed_experts", NULL };
+  static const char *topk_keys[] = { "num_experts_per_tok", "experts_per_token", NULL };
+  gboolean found = FALSE;
+
+  self->all_experts = g_ptr_array_new_with_free_func (g_object_unref);
+  self->dtype = dtype;
+
+  for (guint i = 0; model_type && i < G_N_ELEMENTS (families); i++)
+    if (g_str_equal (model_type, families[i].model_type))
+      {
+        self->family = families[i].family;
+        found = TRUE;
+      }
+  if (!found)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "config: model_type “%s” is not supported; supported: qwen2_moe, qwen3_moe, qwen3_vl_moe, "
+                   "mixtral, olmoe, deepseek_v3, gpt_oss", model_type ? model_type : "(missing)");
+      goto fail;
+    }
+
+  self->experts_key = g_strdup ("");
+  if (self->family == FAMILY_QWEN3_VL_MOE)
+    {
+      c = moe_config_get_sub_config (top, "text_config");
+      if (c == NULL)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_MISSING_KEY, "config: qwen3_vl_moe needs a text_config");
+          goto fail;
+        }
+      g_free (self->experts_key);
+      self->experts_key = g_strdup ("text_config");
+      l.prefix = "model.language_model.";
+    }
+
+#define INT(key, min, dst) G_STMT_START { if (!config_int (c, key, min, &v, &local)) goto fail_local; dst = v; } G_STMT_END
+  INT ("hidden_size", 1, self->hidden);
+  INT ("num_hidden_layers", 1, self->layers);
+  INT ("num_attention_heads", 1, self->heads);
+  INT ("vocab_size", 1, self->vocab);
+  self->kv_heads = moe_config_get_int_or (c, "num_key_value_heads", self->heads, &local);
+  self->head_dim = moe_config_get_int_or (c, "head_dim", self->hidden / self->heads, &local);
+  self->eps = moe_config_get_double_or (c, "rms_norm_eps", 1e-6, &local);
+  self->act = moe_config_dup_string_or (c, "hidden_act", "silu", &local);
+  self->num_experts = first_int (c, experts_keys, -1, &local);
+  if (local == NULL)
+    self->top_k = first_int (c, topk_keys, -1, &local);
+  if (local != NULL)
+    goto fail_local;
+  if (self->kv_heads == 0 || self->heads % self->kv_heads != 0 || self->head_dim == 0 ||
+      self->num_experts == 0 || self->top_k == 0 || self->top_k > self->num_experts ||
+      self->num_experts > 1u << 20)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
+                   "config: inconsistent sizes (num_attention_heads %u, num_key_value_heads %u, head_dim %u, "
+                   "experts %u, top-k %u)", self->heads, self->kv_heads, self->head_dim,
+                   self->num_experts, self->top_k);
+      goto fail;
+    }
+  if (!moe_cpu_activation_from_name (self->act, &self->act_fn))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "config: hidden_act “%s” is not supported; supported: silu, gelu, gelu_pytorch_tanh, relu", self->act);
+      goto fail;
+    }
+
+  self->v_head_dim = self->head_dim;
+  self->rope_dim = self->head_dim;
+  self->router_kind = ROUTER_SOFTMAX_TOPK;
+  self->norm_topk = moe_config_get_boolean_or (c, "norm_topk_prob", FALSE, &local);
+  self->weights_in_act_dtype = TRUE;
+  dense_inter = moe_config_get_int_or (c, "intermediate_size", 0, &local);
+  moe_inter = moe_config_get_int_or (c, "moe_intermediate_size", dense_inter, &local);
+  mlp_only = moe_config_get_int_array (c, "mlp_only_layers", &local);
+  sparse_step = moe_config_get_int_or (c, "decoder_sparse_step", 1, &local);
+  if (local != NULL)
+    goto fail_local;
+
+  switch (self->family)
+    {
+    case FAMILY_QWEN2_MOE:
+      self->has_shared = self->shared_gated = TRUE;
+      shared_inter = moe_config_get_int (c, "shared_expert_intermediate_size", &local);
+      break;
+    case FAMILY_QWEN3_MOE:
+      self->qk_norm = QK_NORM_PER_HEAD;
+      break;
+    case FAMILY_QWEN3_VL_MOE:
+      self->qk_norm = QK_NORM_PER_HEAD;
+      self->norm_topk = TRUE;       /* its router always renormalises */
+      break;
+    case FAMILY_MIXTRAL:
+      self->norm_topk = TRUE;
+      self->weights_in_act_dtype = FALSE;
+      break;
+    case FAMILY_OLMOE:
+      self->qk_norm = QK_NORM_FULL;
+      self->clip_qkv = moe_config_get_double_or (c, "clip_qkv", 0, &local);
+      break;
+    case FAMILY_DEEPSEEK_V3:
+      self->router_kind = ROUTER_SIGMOID_GROUPED;
+      self->weights_in_act_dtype = FALSE;
+      self->has_shared = TRUE;
+      self->routed_scale = moe_config_get_double_or (c, "routed_scaling_factor", 1.0, &local);
+      self->n_group = moe_config_get_int_or (c, "n_group", 1, &local);
+      self->topk_group = moe_config_get_int_or (c, "topk_group", 1, &local);
+      shared_inter = moe_inter * moe_config_get_int_or (c, "n_shared_experts", 1, &local);
+      first_dense = moe_config_get_int_or (c, "first_k_dense_replace", 0, &local);
+      self->q_lora = moe_config_get_int_or (c, "q_lora_rank", 0, &local);
+      if (local == NULL)
+        INT ("kv_lora_rank", 1, self->kv_lora);
+      if (local == NULL)
+        INT ("qk_nope_head_dim", 0, self->nope_dim);
+      if (local == NULL)
+        INT ("qk_rope_head_dim", 2, self->rope_dim);
+      if (local == NULL)
+        INT ("v_head_dim", 1, self->v_head_dim);
+      self->rope_interleaved = moe_config_get_boolean_or (c, "rope_interleave", TRUE, &local);
+      self->kv_heads = self->heads;
+      self->head_dim = self->nope_dim + self->rope_dim;
+      if (self->n_group == 0 || self->num_experts % self->n_group != 0 || self->topk_group > self->n_group ||
+          self->num_experts / self->n_group < 2)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
+                       "config: n_group %u and topk_group %u do not divide %u experts into groups of two or more",
+                       self->n_group, self->topk_group, self->num_experts);
+          goto fail;
+        }
+      break;
+    case FAMILY_GPT_OSS:
+      self->router_kind = ROUTER_TOPK_SOFTMAX;
+      break;
+    }
+  if (local != NULL)
+    goto fail_local;
+#undef INT
+
+  self->scaling = 1.0f / sqrtf ((float) self->head_dim);
+  if (!setup_rope (self, c, &local))
+    goto fail_local;
+  if (self->family == FAMILY_DEEPSEEK_V3 && self->rope_scale != 1.0f)
+    {
+      /* yarn_apply_mscale: DeepSeek folds mscale² into the score scale */
+      self->scaling *= self->rope_scale * self->rope_scale;
+      self->rope_scale = 1.0f;
+    }
+
+  {
+    gint64 es[2] = { self->vocab, self->hidden };
+    g_autofree char *embed = g_strdup_printf ("%sembed_tokens.weight", l.prefix);
+    g_autofree char *norm = g_strdup_printf ("%snorm.weight", l.prefix);
+    self->embed = load_tensor (&l, embed, TRUE, 2, es);
+    self->final_norm = load_f32 (&l, norm, TRUE, self->hidden);
+    if (moe_checkpoint_has_tensor (ck, "lm_head.weight"))
+      self->lm_head = load_tensor (&l, "lm_head.weight", TRUE, 2, es);
+    else if (moe_config_get_boolean_or (top, "tie_word_embeddings", FALSE, NULL) ||
+             moe_config_get_boolean_or (c, "tie_word_embeddings", FALSE, NULL))
+      self->lm_head = self->embed ? g_object_ref (self->embed) : NULL;
+    else
+      load_tensor (&l, "lm_head.weight", TRUE, 2, es);
+    if (local != NULL)
+      goto fail_local;
+  }
+
+  self->layer = g_new0 (Layer, self->layers);
+  for (guint i = 0; i < self->layers; i++)
+    {
+      if (g_cancellable_set_error_if_cancelled (cancellable, error))
+        goto fail;
+      if (!load_layer (self, c, &l, i, is_sparse_layer (self, c, i, mlp_only, sparse_step, first_dense),
+                       dense_inter, shared_inter, &local))
+        goto fail_local;
+      if (local != NULL)
+        goto fail_local;
+    }
+  return self;
+
+fail_local:
+  g_propagate_error (error, g_steal_pointer (&local));
+fail:
+  _moe_transformer_free (self);
+  return NULL;
+}
+
+void
+_moe_transformer_free (MoeTransformer *self)
+{
+  if (self == NULL)
+    return;
+  for (guint i = 0; self->layer != NULL && i < self->layers; i++)
+    {
+      Layer *L = &self->layer[i];
+      Linear *lins[] = { &L->q, &L->k, &L->v, &L->o, &L->q_a, &L->q_b, &L->kv_a, &L->kv_b,
+                         &L->gate, &L->up, &L->down, &L->shared_gate };
+      for (guint j = 0; j < G_N_ELEMENTS (lins); j++)
+        linear_clear (lins[j]);
+      g_free (L->input_norm);
+      g_free (L->post_norm);
+      g_free (L->q_norm);
+      g_free (L->k_norm);
+      g_free (L->q_a_norm);
+      g_free (L->kv_a_norm);
+      g_free (L->sinks);
+      g_free (L->router);
+      g_free (L->router_bias);
+      g_free (L->score_bias);
+      g_clear_object (&L->experts);
+    }
+  g_free (self->layer);
+  g_clear_object (&self->embed);
+  g_clear_object (&self->lm_head);
+  g_free (self->final_norm);
+  g_free (self->inv_freq);
+  g_free (self->act);
+  g_free (self->experts_key);
+  g_ptr_array_unref (self->all_experts);
+  g_free (self);
+}
+
+const char *
+_moe_transformer_get_experts_key (MoeTransformer *self)
+{
+  return self->experts_key;
+}
+
+GPtrArray *
+_moe_transformer_get_experts (MoeTransformer *self)
+{
+  return self->all_experts;
+}
+
+gint64
+_moe_transformer_get_vocab_size (MoeTransformer *self)
+{
+  return self->vocab;
+}
+
+/* ------------------------------------------------------------------ */
+/* KV cache                                                            */
+
+static gsize
+key_dim (MoeTransformer *m)
+{
+  return m->head_dim;
+}
+
+MoeKvCache *
+_moe_kv_cache_new (MoeTransformer *model,
+                   guint           batch)
+{
+  MoeKvCache *cache = g_new0 (MoeKvCache, 1);
+
+  cache->model = model;
+  cache->batch = batch;
+  cache->k = g_new0 (float *, model->layers);
+  cache->v = g_new0 (float *, model->layers);
+  return cache;
+}
+
+void
+_moe_kv_cache_free (MoeKvCache *cache)
+{
+  if (cache == NULL)
+    return;
+  for (guint i = 0; i < cache->model->layers; i++)
+    {
+      g_free (cache->k[i]);
+      g_free (cache->v[i]);
+    }
+  g_free (cache->k);
+  g_free (cache->v);
+  g_free (cache);
+}
+
+guint
+_moe_kv_cache_get_length (MoeKvCache *cache)
+{
+  return cache->length;
+}
+
+static gboolean
+kv_cache_reserve (MoeKvCache *cache, guint length, GError **error)
+{
+  MoeTransformer *m = cache->model;
+  gsize row_k = (gsize) cache->batch * m->kv_heads * key_dim (m);
+  gsize row_v = (gsize) cache->batch * m->kv_heads * m->v_head_dim;
+  guint cap;
+
+  if (length <= cache->capacity)
+    return TRUE;
+  cap = MAX (length, MAX (cache->capacity * 2, 16));
+  for (guint i = 0; i < m->layers; i++)
+    {
+      float *k = g_try_realloc (cache->k[i], cap * row_k * sizeof (float));
+      float *v = k ? g_try_realloc (cache->v[i], cap * row_v * sizeof (float)) : NULL;
+      if (k != NULL)
+        cache->k[i] = k;
+      if (v == NULL)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_OUT_OF_MEMORY,
+                       "Could not grow the KV cache to %u positions", cap);
+          return FALSE;
+        }
+      cache->v[i] = v;
+    }
+  cache->capacity = cap;
+  return TRUE;
+}
+
+/* ------------------------------------------------------------------ */
+/* Ops                                                                 */
+
+static inline void
+round_to_dtype (MoeTransformer *m, float *x, gsize n)
+{
+  if (m->dtype == MOE_DTYPE_F32)
+    return;
+  for (gsize i = 0; i < n; i++)
+    x[i] = moe_cpu_round_to (x[i], m->dtype);
+}
+
+static void
+linear (MoeTransformer *m, const Linear *lin, const float *x, gsize rows, float *y)
+{
+  MoeCpuMatrix w = {
+    .dtype = moe_tensor_get_dtype (lin->weight),
+    .data = moe_tensor_get_data (lin->weight),
+    .n = moe_tensor_get_dim (lin->weight, 0),
+    .k = moe_tensor_get_dim (lin->weight, 1),
+    .transposed = FALSE,
+  };
+
+  moe_cpu_matmul (x, rows, &w, y);
+  if (lin->bias != NULL)
+    moe_cpu_add_bias (y, rows, w.n, moe_tensor_get_dtype (lin->bias), moe_tensor_get_data (lin->bias));
+  round_to_dtype (m, y, rows * w.n);
+}
+
+/* RMSNorm over rows of width n (stride apart), as torch: the variance in
+ * float32, the normalised value rounded to the model dtype, then × weight. */
+static void
+rms_norm (MoeTransformer *m, const float *x, gsize rows, gsize n, gsize stride, const float *w, float *y)
+{
+  for (gsize r = 0; r < rows; r++)
+    {
+      const float *xr = x + r * stride;
+      float *yr = y + r * stride;
+      float ss = 0;
+      for (gsize j = 0; j < n; j++)
+        ss += xr[j] * xr[j];
+      float inv = 1.0f / sqrtf (ss / (float) n + m->eps);
+      for (gsize j = 0; j < n; j++)
+        yr[j] = moe_cpu_round_to (moe_cpu_round_to (xr[j] * inv, m->dtype) * w[j], m->dtype);
+    }
+}
+
+/* Rotates @dim values of one head vector at position @pos. */
+static void
+rope (MoeTransformer *m, float *x, gint64 pos)
+{
+  guint half = m->rope_dim / 2;
+  float tmp[512];
+  float *t = m->rope_dim <= G_N_ELEMENTS (tmp) ? tmp : g_new (float, m->rope_dim);
+
+  for (guint i = 0; i < half; i++)
+    {
+      float angle = m->inv_freq[i] * (float) pos;
+      float c = moe_cpu_round_to (cosf (angle) * m->rope_scale, m->dtype);
+      float s = moe_cpu_round_to (sinf (angle) * m->rope_scale, m->dtype);
+      float x1 = m->rope_interleaved ? x[2 * i] : x[i];
+      float x2 = m->rope_interleaved ? x[2 * i + 1] : x[i + half];
+      t[i] = x1 * c - x2 * s;
+      t[i + half] = x2 * c + x1 * s;
+    }
+  for (guint i = 0; i < m->rope_dim; i++)
+    x[i] = moe_cpu_round_to (t[i], m->dtype);
+  if (t != tmp)
+    g_free (t);
+}
+
+typedef struct {
+  guint         B, T, past;
+  const gint64 *positions;
+  const guint8 *key_valid;     /* [B, past + T] or NULL */
+} Step;
+
+/* Scaled dot-product attention of q [B*T, heads, dk] over the cache,
+ * writing out [B*T, heads, dv]. */
+static void
+attend (MoeTransformer *m, MoeKvCache *cache, guint layer, const Step *st, const float *q, float *out)
+{
+  const Layer *L = &m->layer[layer];
+  guint len = st->past + st->T, group = m->heads / m->kv_heads;
+  gsize dk = key_dim (m), dv = m->v_head_dim;
+  g_autofree float *score = g_new (float, len + 1);
+
+  for (guint b = 0; b < st->B; b++)
+    for (guint t = 0; t < st->T; t++)
+      {
+        guint qpos = st->past + t;          /* cache index of this query */
+        for (guint h = 0; h < m->heads; h++)
+          {
+            const float *qv = q + (((gsize) b * st->T + t) * m->heads + h) * dk;
+            float *o = out + (((gsize) b * st->T + t) * m->heads + h) * dv;
+            guint g = h / group;
+            float max = L->sinks ? L->sinks[h] : -INFINITY, sum = 0;
+            gboolean any = FALSE;
+
+            for (guint j = 0; j < len; j++)
+              {
+                gboolean ok = j <= qpos && (st->key_valid == NULL || st->key_valid[(gsize) b * len + j]) &&
+                              (L->window == 0 || qpos - j < L->window);
+                score[j] = -INFINITY;
+                if (ok)
+                  {
+                    const float *kv = cache->k[layer] + (((gsize) j * cache->batch + b) * m->kv_heads + g) * dk;
+                    float s = 0;
+                    for (gsize d = 0; d < dk; d++)
+                      s += qv[d] * kv[d];
+                    score[j] = moe_cpu_round_to (s * m->scaling, m->dtype);
+                    max = MAX (max, score[j]);
+                    any = TRUE;
+                  }
+              }
+            memset (o, 0, dv * sizeof (float));
+            if (!any && L->sinks == NULL)
+              continue;   /* a padded query: nothing to attend to */
+            for (guint j = 0; j < len; j++)
+              if (score[j] != -INFINITY)
+                sum += (score[j] = expf (score[j] - max));
+            if (L->sinks)
+              sum += expf (L->sinks[h] - max);
+            for (guint j = 0; j < len; j++)
+              if (score[j] != -INFINITY)
+                {
+                  const float *vv = cache->v[layer] + (((gsize) j * cache->batch + b) * m->kv_heads + g) * dv;
+                  float p = moe_cpu_round_to (score[j] / sum, m->dtype);
+                  for (gsize d = 0; d < dv; d++)
+                    o[d] += p * vv[d];
+                }
+            round_to_dtype (m, o, dv);
+          }
+      }
+}
+
+static void
+store_kv (MoeKvCache *cache, guint layer, const Step *st, guint b, guint t, guint head,
+          const float *k, const float *v)
+{
+  MoeTransformer *m = cache->model;
+  gsize dk = key_dim (m), dv = m->v_head_dim;
+  gsize slot = ((gsize) (st->past + t) * cache->batch + b) * m->kv_heads + head;
+
+  memcpy (cache->k[layer] + slot * dk, k, dk * sizeof (float));
+  memcpy (cache->v[layer] + slot * dv, v, dv * sizeof (float));
+}
+
+static void
+attention_gqa (MoeTransformer *m, MoeKvCache *cache, guint li, const Step *st, const float *x, float *out)
+{
+  const Layer *L = &m->layer[li];
+  gsize rows = (gsize) st->B * st->T, hd = m->head_dim;
+  gsize qn = m->heads * hd, kn = m->kv_heads * hd;
+  g_autofree float *q = g_new (float, rows * qn);
+  g_autofree float *k = g_new (float, rows * kn);
+  g_autofree float *v = g_new (float, rows * kn);
+  g_autofree float *a = g_new (float, rows * qn);
+
+  linear (m, &L->q, x, rows, q);
+  linear (m, &L->k, x, rows, k);
+  linear (m, &L->v, x, rows, v);
+  if (m->qk_norm == QK_NORM_FULL)
+    {
+      rms_norm (m, q, rows, qn, qn, L->q_norm, q);
+      rms_norm (m, k, rows, kn, kn, L->k_norm, k);
+    }
+  else if (m->qk_norm == QK_NORM_PER_HEAD)
+    {
+      rms_norm (m, q, rows * m->heads, hd, hd, L->q_norm, q);
+      rms_norm (m, k, rows * m->kv_heads, hd, hd, L->k_norm, k);
+    }
+  if (m->clip_qkv > 0)
+    for (gsize i = 0; i < rows * qn; i++)
+      q[i] = CLAMP (q[i], -m->clip_qkv, m->clip_qkv);
+  if (m->clip_qkv > 0)
+    for (gsize i = 0; i < rows * kn; i++)
+      {
+        k[i] = CLAMP (k[i], -m->clip_qkv, m->clip_qkv);
+        v[i] = CLAMP (v[i], -m->clip_qkv, m->clip_qkv);
+      }
+
+  for (guint b = 0; b < st->B; b++)
+    for (guint t = 0; t < st->T; t++)
+      {
+        gsize r = (gsize) b * st->T + t;
+        gint64 pos = st->positions[r];
+        for (guint h = 0; h < m->heads; h++)
+          rope (m, q + r * qn + h * hd, pos);
+        for (guint h = 0; h < m->kv_heads; h++)
+          {
+            rope (m, k + r * kn + h * hd, pos);
+            store_kv (cache, li, st, b, t, h, k + r * kn + h * hd, v + r * kn + h * hd);
+          }
+      }
+  attend (m, cache, li, st, q, a);
+  linear (m, &L->o, a, rows, out);
+}
+
+/* DeepSeek's multi-head latent attention: queries through a low-rank
+ * projection, keys and values expanded from a shared compressed latent;
+ * RoPE only on the last qk_rope_head_dim dims of each head. */
+static void
+attention_mla (MoeTransformer *m, MoeKvCache *cache, guint li, const Step *st, const float *x, float *out)
+{
+  const Layer *L = &m->layer[li];
+  gsize rows = (gsize) st->B * st->T;
+  gsize qk = m->head_dim, nope = m->nope_dim, rd = m->rope_dim, dv = m->v_head_dim;
+  gsize kvb = nope + dv, lat = m->kv_lora + rd;
+  g_autofree float *q = g_new (float, rows * m->heads * qk);
+  g_autofree float *latent = g_new (float, rows * lat);
+  g_autofree float *kv = g_new (float, rows * m->heads * kvb);
+  g_autofree float *a = g_new (float, rows * m->heads * dv);
+  g_autofree float *key = g_new (float, qk);
+
+  if (m->q_lora > 0)
+    {
+      g_autofree float *qa = g_new (float, rows * m->q_lora);
+      linear (m, &L->q_a, x, rows, qa);
+      rms_norm (m, qa, rows, m->q_lora, m->q_lora, L->q_a_norm, qa);
+      linear (m, &L->q_b, qa, rows, q);
+    }
+  else
+    linear (m, &L->q, x, rows, q);
+
+  linear (m, &L->kv_a, x, rows, latent);
+  rms_norm (m, latent, rows, m->kv_lora, lat, L->kv_a_norm, latent);
+  {
+    g_autofree float *compact = g_new (float, rows * m->kv_lora);
+    for (gsize r = 0; r < rows; r++)
+      memcpy (compact + r * m->kv_lora, latent + r * lat, m->kv_lora * sizeof (float));
+    linear (m, &L->kv_b, compact, rows, kv);
+  }
+
+  for (guint b = 0; b < st->B; b++)
+    for (guint t = 0; t < st->T; t++)
+      {
+        gsize r = (gsize) b * st->T + t;
+        gint64 pos = st->positions[r];
+        float *k_rot = latent + r * lat + m->kv_lora;
+
+        rope (m, k_rot, pos);
+        for (guint h = 0; h < m->heads; h++)
+          {
+            const float *kvh = kv + (r * m->heads + h) * kvb;
+            rope (m, q + (r * m->heads + h) * qk + nope, pos);
+            memcpy (key, kvh, nope * sizeof (float));
+            memcpy (key + nope, k_rot, rd * sizeof (float));
+            store_kv (cache, li, st, b, t, h, key, kvh + nope);
+          }
+      }
+  attend (m, cache, li, st, q, a);
+  linear (m, &L->o, a, rows, out);
+}
+
+static void
+dense_mlp (MoeTransformer *m, const Layer *L, const float *x, gsize rows, float *y)
+{
+  gsize inter = moe_tensor_get_dim (L->gate.weight, 0);
+  g_autofree float *g = g_new (float, rows * inter);
+  g_autofree float *u = g_new (float, rows * inter);
+  MoeCpuGate gate = { .has_gate = FALSE, .activation = m->act_fn };
+
+  linear (m, &L->gate, x, rows, g);
+  linear (m, &L->up, x, rows, u);
+  moe_cpu_apply_gate (g, rows, inter, &gate, g);
+  round_to_dtype (m, g, rows * inter);
+  for (gsize i = 0; i < rows * inter; i++)
+    g[i] = moe_cpu_round_to (g[i] * u[i], m->dtype);
+  linear (m, &L->down, g, rows, y);
+}
+
+/* The top-k of @n scores, largest first (ties: lower index first). */
+static void
+top_k (const float *scores, guint n, guint k, gint64 *idx)
+{
+  for (guint s = 0; s < k; s++)
+    {
+      gint64 best = -1;
+      for (guint e = 0; e < n; e++)
+        {
+          gboolean taken = FALSE;
+          for (guint p = 0; p < s; p++)
+            taken |= idx[p] == e;
+          if (!taken && (best < 0 || scores[e] > scores[best]))
+            best = e;
+        }
+      idx[s] = best;
+    }
+}
+
+static void
+route (MoeTransformer *m, const Layer *L, const float *x, gsize rows, gint64 *ids, float *w)
+{
+  guint E = m->num_experts, K = m->top_k;
+  g_autofree float *logits = g_new (float, E);
+  g_autofree float *choice = g_new (float, E);
+
+  for (gsize r = 0; r < rows; r++)
+    {
+      const float *xr = x + r * m->hidden;
+      gint64 *ir = ids + r * K;
+      float *wr = w + r * K;
+
+      for (guint e = 0; e < E; e++)
+        {
+          float s = 0;
+          for (guint j = 0; j < m->hidden; j++)
+            s += xr[j] * L->router[(gsize) e * m->hidden + j];
+          if (L->router_bias)
+            s += L->router_bias[e];
+          /* DeepSeek routes in float32 whatever the model dtype */
+          logits[e] = m->router_kind == ROUTER_SIGMOID_GROUPED ? s : moe_cpu_round_to (s, m->dtype);
+        }
+
+      switch (m->router_kind)
+        {
+        case ROUTER_SOFTMAX_TOPK:
+          {
+            float max = -INFINITY, sum = 0, kept = 0;
+            for (guint e = 0; e < E; e++)
+              max = MAX (max, logits[e]);
+            for (guint e = 0; e < E; e++)
+              sum += (choice[e] = expf (logits[e] - max));
+            for (guint e = 0; e < E; e++)
+              choice[e] /= sum;
+            top_k (choice, E, K, ir);
+            for (guint k = 0; k < K; k++)
+              kept += (wr[k] = choice[ir[k]]);
+            for (guint k = 0; k < K; k++)
+              {
+                if (m->norm_topk)
+                  wr[k] /= kept;
+                if (m->weights_in_act_dtype)
+                  wr[k] = moe_cpu_round_to (wr[k], m->dtype);
+              }
+            break;
+          }
+        case ROUTER_SIGMOID_GROUPED:
+          {
+            guint per = E / m->n_group;
+            g_autofree float *group = g_new (float, m->n_group);
+            g_autofree gint64 *keep = g_new (gint64, m->topk_group);
+            g_autofree float *sig = g_new (float, E);
+            float sum = 0;
+
+            for (guint e = 0; e < E; e++)
+              {
+                sig[e] = 1.0f / (1.0f + expf (-logits[e]));
+                choice[e] = sig[e] + L->score_bias[e];
+              }
+            for (guint g = 0; g < m->n_group; g++)
+              {
+                gint64 two[2];
+                top_k (choice + g * per, per, 2, two);
+                group[g] = choice[g * per + two[0]] + choice[g * per + two[1]];
+              }
+            top_k (group, m->n_group, m->topk_group, keep);
+            for (guint g = 0; g < m->n_group; g++)
+              {
+                gboolean kept = FALSE;
+                for (guint i = 0; i < m->topk_group; i++)
+                  kept |= keep[i] == g;
+                if (!kept)
+                  for (guint e = 0; e < per; e++)
+                    choice[g * per + e] = -INFINITY;
+              }
+            top_k (choice, E, K, ir);
+            for (guint k = 0; k < K; k++)
+              sum += (wr[k] = sig[ir[k]]);
+            for (guint k = 0; k < K; k++)
+              {
+                if (m->norm_topk)
+                  wr[k] /= sum + 1e-20f;
+                wr[k] *= (float) m->routed_scale;
+              }
+            break;
+          }
+        case ROUTER_TOPK_SOFTMAX:
+          {
+            float max = -INFINITY, sum = 0;
+            top_k (logits, E, K, ir);
+            for (guint k = 0; k < K; k++)
+              max = MAX (max, logits[ir[k]]);
+            for (guint k = 0; k < K; k++)
+              sum += (wr[k] = expf (logits[ir[k]] - max));
+            for (guint k = 0; k < K; k++)
+              wr[k] = moe_cpu_round_to (wr[k] / sum, m->dtype);
+            break;
+          }
+        }
+    }
+}
+
+static gboolean
+moe_block (MoeTransformer *m, const Layer *L, const float *x, gsize rows, float *y, GError **error)
+{
+  gint64 hs[2] = { (gint64) rows, m->hidden }, ks[2] = { (gint64) rows, m->top_k };
+  g_autoptr(MoeTensor) hidden = NULL, index = NULL, weights = NULL, out = NULL;
+  gint64 *ids;
+  float *w;
+
+  index = moe_tensor_new_empty (NULL, MOE_DTYPE_I64, ks, 2, error);
+  weights = index ? moe_tensor_new_empty (NULL, MOE_DTYPE_F32, ks, 2, error) : NULL;
+  hidden = weights ? moe_cpu_tensor_from_f32 (x, m->dtype, hs, 2, error) : NULL;
+  if (hidden == NULL)
+    return FALSE;
+  ids = moe_tensor_get_mutable_data (index);
+  w = moe_tensor_get_mutable_data (weights);
+  route (m, L, x, rows, ids, w);
+
+  out = moe_experts_forward (L->experts, hidden, index, weights, error);
+  if (out == NULL)
+    return FALSE;
+  moe_cpu_convert (moe_tensor_get_dtype (out), moe_tensor_get_data (out), MOE_DTYPE_F32, y, rows * m->hidden);
+
+  if (m->has_shared)
+    {
+      g_autofree float *s = g_new (float, rows * m->hidden);
+      dense_mlp (m, L, x, rows, s);
+      if (m->shared_gated)
+        {
+          g_autofree float *g = g_new (float, rows);
+          linear (m, &L->shared_gate, x, rows, g);
+          for (gsize r = 0; r < rows; r++)
+            {
+              float gate = moe_cpu_round_to (1.0f / (1.0f + expf (-g[r])), m->dtype);
+              for (guint j = 0; j < m->hidden; j++)
+                s[r * m->hidden + j] = moe_cpu_round_to (gate * s[r * m->hidden + j], m->dtype);
+            }
+        }
+      for (gsize i = 0; i < rows * m->hidden; i++)
+        y[i] = moe_cpu_round_to (y[i] + s[i], m->dtype);
+    }
+  return TRUE;
+}
+
+gboolean
+_moe_transformer_forward (MoeTransformer *m,
+                          MoeKvCache     *cache,
+                          const gint64   *ids,
+                          guint           batch,
+                          guint           n_tokens,
+                          const gint64   *positions,
+                          const guint8   *key_valid,
+                          gboolean        last_only,
+                          float          *logits,
+                          GError        **error)
+{
+  gsize rows = (gsize) batch * n_tokens, H = m->hidden;
+  g_autofree float *h = NULL, *x = NULL, *y = NULL;
+  Step st = { batch, n_tokens, cache->length, positions, key_valid };
+
+  g_return_val_if_fail (cache->batch == batch, FALSE);
+
+  for (gsize r = 0; r < rows; r++)
+    if (ids[r] < 0 || ids[r] >= m->vocab)
+      {
+        g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
+                     "input_ids[%" G_GSIZE_FORMAT ", %" G_GSIZE_FORMAT "] is %" G_GINT64_FORMAT
+                     "; token ids must be in 0…%u", r / n_tokens, r % n_tokens, ids[r], m->vocab - 1);
+        return FALSE;
+      }
+  if (!kv_cache_reserve (cache, cache->length + n_tokens, error))
+    return FALSE;
+
+  h = g_new (float, rows * H);
+  x = g_new (float, rows * H);
+  y = g_new (float, rows * H);
+  moe_cpu_gather_rows (moe_tensor_get_dtype (m->embed), moe_tensor_get_data (m->embed), H, ids, rows, h);
+
+  for (guint li = 0; li < m->layers; li++)
+    {
+      const Layer *L = &m->layer[li];
+
+      rms_norm (m, h, rows, H, H, L->input_norm, x);
+      if (m->family == FAMILY_DEEPSEEK_V3)
+        attention_mla (m, cache, li, &st, x, y);
+      else
+        attention_gqa (m, cache, li, &st, x, y);
+      for (gsize i = 0; i < rows * H; i++)
+        h[i] = moe_cpu_round_to (h[i] + y[i], m->dtype);
+
+      rms_norm (m, h, rows, H, H, L->post_norm, x);
+      if (L->is_moe)
+        {
+          if (!moe_block (m, L, x, rows, y, error))
+            return FALSE;
+        }
+      else
+        dense_mlp (m, L, x, rows, y);
+      for (gsize i = 0; i < rows * H; i++)
+        h[i] = moe_cpu_round_to (h[i] + y[i], m->dtype);
+    }
+  cache->length += n_tokens;
+
+  {
+    const float *src = h;
+    gsize out_rows = rows;
+    g_autofree float *last = NULL;
+    Linear head = { m->lm_head, NULL };
+
+    if (last_only)
+      {
+        last = g_new (float, (gsize) batch * H);
+        for (guint b = 0; b < batch; b++)
+          memcpy (last + (gsize) b * H, h + ((gsize) b * n_tokens + n_tokens - 1) * H, H * sizeof (float));
+        src = last;
+        out_rows = batch;
+      }
+    rms_norm (m, src, out_rows, H, H, m->final_norm, x);
+    linear (m, &head, x, out_rows, logits);
+  }
+  return TRUE;
+}
