@@ -405,6 +405,25 @@ moe_cpu_matmul (const float        *x,
                0.0f, y, w->n);
 }
 
+/**
+ * moe_cpu_round_array: (skip)
+ * @x: values
+ * @n: how many
+ * @dtype: F32 (nothing to do), BF16 or F16
+ *
+ * Rounds each value to @dtype, keeping it as float32.
+ */
+void
+moe_cpu_round_array (float    *x,
+                     gsize     n,
+                     MoeDType  dtype)
+{
+  if (dtype != MOE_DTYPE_BF16 && dtype != MOE_DTYPE_F16)
+    return;
+  for (gsize i = 0; i < n; i++)
+    x[i] = moe_cpu_round_to (x[i], dtype);
+}
+
 void
 moe_cpu_add_bias (float         *rows,
                   gsize          m,
@@ -445,6 +464,9 @@ moe_cpu_apply_gate (const float      *up,
                     const MoeCpuGate *gate,
                     float            *out)
 {
+  MoeDType d = gate->round;
+
+#define R(v) moe_cpu_round_to ((v), d)
   for (gsize r = 0; r < m; r++)
     {
       float *o = out + r * inter;
@@ -453,18 +475,19 @@ moe_cpu_apply_gate (const float      *up,
         {
           const float *u = up + r * inter;
           for (gsize j = 0; j < inter; j++)
-            o[j] = activate (gate->activation, u[j]);
+            o[j] = R (activate (gate->activation, u[j]));
         }
       else if (gate->interleaved)
         {
-          /* GPT-OSS: even columns gate, odd columns up */
+          /* GPT-OSS: even columns gate, odd columns up; each op rounded as torch does */
           const float *gu = up + r * 2 * inter;
           for (gsize j = 0; j < inter; j++)
             {
               float g = MIN (gu[2 * j], gate->limit);
               float u = CLAMP (gu[2 * j + 1], -gate->limit, gate->limit);
-              float glu = g / (1.0f + expf (-gate->alpha * g));
-              o[j] = (u + 1.0f) * glu;
+              float sig = R (1.0f / (1.0f + expf (-R (gate->alpha * g))));
+              float glu = R (g * sig);
+              o[j] = R (R (u + 1.0f) * glu);
             }
         }
       else
@@ -472,19 +495,23 @@ moe_cpu_apply_gate (const float      *up,
           const float *g = up + r * 2 * inter;
           const float *u = g + inter;
           for (gsize j = 0; j < inter; j++)
-            o[j] = activate (gate->activation, g[j]) * u[j];
+            o[j] = R (R (activate (gate->activation, g[j])) * u[j]);
         }
     }
+#undef R
 }
 
 /**
  * moe_cpu_experts_init: (skip)
  * @view: the view to fill
  * @experts: validated experts whose weights are on the CPU
+ * @act_dtype: the dtype of the hidden states: with BF16 or F16 every
+ *   intermediate result is rounded to it, as transformers computes
  */
 void
 moe_cpu_experts_init (MoeCpuExperts *view,
-                      MoeExperts    *experts)
+                      MoeExperts    *experts,
+                      MoeDType       act_dtype)
 {
   MoeTensor *up = moe_experts_get_up_weight (experts);
   MoeTensor *down = moe_experts_get_down_weight (experts);
@@ -500,6 +527,7 @@ moe_cpu_experts_init (MoeCpuExperts *view,
   view->gate.interleaved = moe_experts_get_gate_layout (experts) == MOE_GATE_LAYOUT_INTERLEAVED;
   view->gate.alpha = (float) moe_experts_get_swiglu_alpha (experts);
   view->gate.limit = (float) moe_experts_get_swiglu_limit (experts);
+  view->gate.round = act_dtype;
   if (!moe_cpu_activation_from_name (moe_experts_get_activation (experts), &view->gate.activation))
     g_assert_not_reached ();   /* moe_experts_validate() refuses unknown names */
   view->up_out = view->gate.has_gate ? 2 * view->inter : view->inter;
@@ -555,14 +583,22 @@ moe_cpu_experts_run (const MoeCpuExperts *view,
   h = g_new (float, m * inter);
 
   moe_cpu_matmul (x, m, &up, u);
+  moe_cpu_round_array (u, m * upn, view->gate.round);
   if (view->up_bias != NULL)
-    moe_cpu_add_bias (u, m, upn, view->up_bias_dtype,
-                      view->up_bias + (gsize) expert * upn * moe_dtype_get_size (view->up_bias_dtype));
+    {
+      moe_cpu_add_bias (u, m, upn, view->up_bias_dtype,
+                        view->up_bias + (gsize) expert * upn * moe_dtype_get_size (view->up_bias_dtype));
+      moe_cpu_round_array (u, m * upn, view->gate.round);
+    }
   moe_cpu_apply_gate (u, m, inter, &view->gate, h);
   moe_cpu_matmul (h, m, &down, y);
+  moe_cpu_round_array (y, m * hid, view->gate.round);
   if (view->down_bias != NULL)
-    moe_cpu_add_bias (y, m, hid, view->down_bias_dtype,
-                      view->down_bias + (gsize) expert * hid * moe_dtype_get_size (view->down_bias_dtype));
+    {
+      moe_cpu_add_bias (y, m, hid, view->down_bias_dtype,
+                        view->down_bias + (gsize) expert * hid * moe_dtype_get_size (view->down_bias_dtype));
+      moe_cpu_round_array (y, m * hid, view->gate.round);
+    }
 
   g_free (u);
   g_free (h);

@@ -44,6 +44,8 @@ typedef struct {
  * @activation: the activation of the gate (or of up when ungated)
  * @alpha: clamped SwiGLU's alpha
  * @limit: clamped SwiGLU's limit
+ * @round: F32, or BF16/F16 to round every intermediate value to that
+ *   dtype as torch computes in it
  */
 typedef struct {
   gboolean         has_gate;
@@ -51,6 +53,7 @@ typedef struct {
   MoeCpuActivation activation;
   float            alpha;
   float            limit;
+  MoeDType         round;
 } MoeCpuGate;
 
 /**
@@ -78,7 +81,8 @@ typedef struct {
 
 MOE_AVAILABLE_IN_ALL
 void     moe_cpu_experts_init (MoeCpuExperts      *view,
-                               MoeExperts         *experts);
+                               MoeExperts         *experts,
+                               MoeDType            act_dtype);
 MOE_AVAILABLE_IN_ALL
 void     moe_cpu_experts_run  (const MoeCpuExperts *view,
                                guint               expert,
@@ -103,6 +107,10 @@ void     moe_cpu_matmul      (const float        *x,
                               gsize               m,
                               const MoeCpuMatrix *w,
                               float              *y);
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_round_array (float              *x,
+                              gsize               n,
+                              MoeDType            dtype);
 MOE_AVAILABLE_IN_ALL
 void     moe_cpu_add_bias    (float              *rows,
                               gsize               m,

@@ -90,6 +90,7 @@ struct _MoeTransformer
   float       rope_scale;                 /* YaRN's attention factor on cos/sin */
   gboolean    rope_interleaved;           /* DeepSeek: rotate (x0, x1), (x2, x3)… */
   QkNorm      qk_norm;
+  gboolean    eager_attention;            /* rounds scores and probabilities (GPT-OSS has no SDPA path) */
   double      clip_qkv;
   RouterKind  router_kind;
   guint       num_experts, top_k;
@@ -660,6 +661,7 @@ _moe_transformer_new (MoeConfig      *top,
       break;
     case FAMILY_GPT_OSS:
       self->router_kind = ROUTER_TOPK_SOFTMAX;
+      self->eager_attention = TRUE;
       break;
     }
   if (local != NULL)
@@ -881,7 +883,9 @@ rms_norm (MoeTransformer *m, const float *x, gsize rows, gsize n, gsize stride, 
         ss += xr[j] * xr[j];
       float inv = 1.0f / sqrtf (ss / (float) n + m->eps);
       for (gsize j = 0; j < n; j++)
-        yr[j] = moe_cpu_round_to (moe_cpu_round_to (xr[j] * inv, m->dtype) * w[j], m->dtype);
+        yr[j] = m->family == FAMILY_GPT_OSS
+          ? moe_cpu_round_to (xr[j] * inv * w[j], m->dtype)        /* (w · x).to(dtype) */
+          : moe_cpu_round_to (moe_cpu_round_to (xr[j] * inv, m->dtype) * w[j], m->dtype);
     }
 }
 
@@ -948,7 +952,7 @@ attend (MoeTransformer *m, MoeKvCache *cache, guint layer, const Step *st, const
                     float s = 0;
                     for (gsize d = 0; d < dk; d++)
                       s += qv[d] * kv[d];
-                    score[j] = moe_cpu_round_to (s * m->scaling, m->dtype);
+                    score[j] = m->eager_attention ? moe_cpu_round_to (s * m->scaling, m->dtype) : s * m->scaling;
                     max = MAX (max, score[j]);
                     any = TRUE;
                   }
@@ -965,7 +969,7 @@ attend (MoeTransformer *m, MoeKvCache *cache, guint layer, const Step *st, const
               if (score[j] != -INFINITY)
                 {
                   const float *vv = cache->v[layer] + (((gsize) j * cache->batch + b) * m->kv_heads + g) * dv;
-                  float p = moe_cpu_round_to (score[j] / sum, m->dtype);
+                  float p = m->eager_attention ? moe_cpu_round_to (score[j] / sum, m->dtype) : score[j] / sum;
                   for (gsize d = 0; d < dv; d++)
                     o[d] += p * vv[d];
                 }
@@ -1099,12 +1103,11 @@ dense_mlp (MoeTransformer *m, const Layer *L, const float *x, gsize rows, float 
   gsize inter = moe_tensor_get_dim (L->gate.weight, 0);
   g_autofree float *g = g_new (float, rows * inter);
   g_autofree float *u = g_new (float, rows * inter);
-  MoeCpuGate gate = { .has_gate = FALSE, .activation = m->act_fn };
+  MoeCpuGate gate = { .has_gate = FALSE, .activation = m->act_fn, .round = m->dtype };
 
   linear (m, &L->gate, x, rows, g);
   linear (m, &L->up, x, rows, u);
   moe_cpu_apply_gate (g, rows, inter, &gate, g);
-  round_to_dtype (m, g, rows * inter);
   for (gsize i = 0; i < rows * inter; i++)
     g[i] = moe_cpu_round_to (g[i] * u[i], m->dtype);
   linear (m, &L->down, g, rows, y);

@@ -41,7 +41,7 @@ moe_batched_mm_backend_forward (MoeExpertsBackend *backend,
   g_autofree float *out = NULL;
   g_autofree float *y = NULL;
 
-  moe_cpu_experts_init (&view, experts);
+  moe_cpu_experts_init (&view, experts, dtype);
   H = view.hidden;
   out = g_new0 (float, MAX (T * H, 1));
   y = g_new (float, H);

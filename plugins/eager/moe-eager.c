@@ -41,7 +41,7 @@ moe_eager_backend_forward (MoeExpertsBackend *backend,
   g_autofree float *x = NULL;
   g_autofree float *y = NULL;
 
-  moe_cpu_experts_init (&view, experts);
+  moe_cpu_experts_init (&view, experts, dtype);
   H = view.hidden;
   E = view.num_experts;
 

@@ -45,7 +45,7 @@ moe_grouped_mm_backend_forward (MoeExpertsBackend *backend,
   g_autofree float *yg = NULL;
   g_autofree float *out = NULL;
 
-  moe_cpu_experts_init (&view, experts);
+  moe_cpu_experts_init (&view, experts, dtype);
   H = view.hidden;
   E = view.num_experts;
 
