@@ -1,10 +1,13 @@
 /* moe.c: the libmoe command-line tool
  *
- * Until whole-model generation lands, the main job runs a checkpoint's
- * expert layers through every discovered experts backend: it routes real
- * activations (the prompt's token embeddings, RMS-normalised, through each
- * layer's router), times every backend on them, and checks that the
- * backends agree.
+ *   moe [OPTIONS] [CHECKPOINT]          generate (the demo model by default)
+ *   moe experts [OPTIONS] [CHECKPOINT]  run the expert layers through every backend
+ *
+ * Generation loads a checkpoint directory, prints the experts map, and
+ * streams the new tokens (as text for byte-level models such as the shipped
+ * demo, as ids otherwise) with tokens/s at the end. The experts job routes
+ * real activations (the prompt's embeddings, RMS-normalised, through each
+ * layer's router), times every backend on them and checks they agree.
  *
  * SPDX-License-Identifier: LGPL-2.1-or-later
  */
@@ -14,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <locale.h>
+#include <stdio.h>
+#include <unistd.h>
 
 #include <libmoe.h>
 #include <moe-plugin.h>
@@ -25,19 +30,36 @@
 static char *opt_prompt = NULL;
 static char *opt_dtype = NULL;
 static char **opt_backends = NULL;
+static char *opt_device = NULL;
+static char *opt_ids = NULL;
 static int opt_repeat = 20;
+static int opt_max_new = 160;
+static gboolean opt_sample = FALSE;
+static double opt_temperature = 1.0;
+static int opt_top_k = 50;
+static double opt_top_p = 1.0;
+static gint64 opt_seed = 0;
 static gboolean opt_list = FALSE;
 static gboolean opt_version = FALSE;
 static char **opt_rest = NULL;
 
 static const GOptionEntry entries[] = {
-  { "prompt", 'p', 0, G_OPTION_ARG_STRING, &opt_prompt, "Text whose bytes are routed (byte-level models)", "TEXT" },
-  { "experts-implementation", 'e', 0, G_OPTION_ARG_STRING_ARRAY, &opt_backends, "Run only this backend (repeatable)", "NAME" },
-  { "dtype", 0, 0, G_OPTION_ARG_STRING, &opt_dtype, "Compute dtype: auto (the checkpoint's), float32, bfloat16, float16", "DTYPE" },
-  { "repeat", 'n', 0, G_OPTION_ARG_INT, &opt_repeat, "Timed runs per backend and layer (median reported)", "N" },
+  { "prompt", 'p', 0, G_OPTION_ARG_STRING, &opt_prompt, "Prompt text (byte-level models such as the demo)", "TEXT" },
+  { "ids", 0, 0, G_OPTION_ARG_STRING, &opt_ids, "Prompt as comma-separated token ids", "ID,ID,…" },
+  { "experts-implementation", 'e', 0, G_OPTION_ARG_STRING_ARRAY, &opt_backends,
+    "Experts backend: a name, or key=name,… per sub-config (\"\" is the top level); with “experts”, a backend to run (repeatable)", "SPEC" },
+  { "device", 'd', 0, G_OPTION_ARG_STRING, &opt_device, "Device: cpu (default) or one a plugin provides", "DEVICE" },
+  { "dtype", 0, 0, G_OPTION_ARG_STRING, &opt_dtype, "auto (the checkpoint's), float32, bfloat16, float16", "DTYPE" },
+  { "max-new-tokens", 'n', 0, G_OPTION_ARG_INT, &opt_max_new, "Tokens to generate (default 160)", "N" },
+  { "sample", 's', 0, G_OPTION_ARG_NONE, &opt_sample, "Sample instead of greedy decoding", NULL },
+  { "temperature", 't', 0, G_OPTION_ARG_DOUBLE, &opt_temperature, "Sampling temperature", "T" },
+  { "top-k", 0, 0, G_OPTION_ARG_INT, &opt_top_k, "Sample among the k most likely tokens (0: all)", "K" },
+  { "top-p", 0, 0, G_OPTION_ARG_DOUBLE, &opt_top_p, "Nucleus sampling threshold", "P" },
+  { "seed", 0, 0, G_OPTION_ARG_INT64, &opt_seed, "Sampling seed", "SEED" },
+  { "repeat", 'r', 0, G_OPTION_ARG_INT, &opt_repeat, "experts: timed runs per backend and layer", "N" },
   { "list-backends", 'l', 0, G_OPTION_ARG_NONE, &opt_list, "List the experts backends found and exit", NULL },
   { "version", 0, 0, G_OPTION_ARG_NONE, &opt_version, "Print the version and exit", NULL },
-  { G_OPTION_REMAINING, 0, 0, G_OPTION_ARG_FILENAME_ARRAY, &opt_rest, NULL, "[CHECKPOINT]" },
+  { G_OPTION_REMAINING, 0, 0, G_OPTION_ARG_FILENAME_ARRAY, &opt_rest, NULL, "[experts] [CHECKPOINT]" },
   { NULL }
 };
 
@@ -222,6 +244,11 @@ run_experts_job (const char *path, GError **error)
   int status = 0;
 
   backends = opt_backends ? (const char * const *) opt_backends : (const char * const *) found;
+  if (opt_repeat < 1)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT, "--repeat must be at least 1");
+      return 1;
+    }
   if (backends[0] == NULL)
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_UNKNOWN_BACKEND,
@@ -343,10 +370,256 @@ run_experts_job (const char *path, GError **error)
   return status;
 }
 
+/* --experts-implementation: "name" for every entry, or "key=name,key=name" */
+static gboolean
+parse_experts_spec (const char *spec, MoeLoadOptions *opts, GError **error)
+{
+  g_auto(GStrv) parts = NULL;
+  g_autoptr(GHashTable) map = NULL;
+
+  if (strchr (spec, '=') == NULL)
+    {
+      moe_load_options_set_experts_implementation (opts, spec);
+      return TRUE;
+    }
+  map = g_hash_table_new_full (g_str_hash, g_str_equal, g_free, g_free);
+  parts = g_strsplit (spec, ",", -1);
+  for (guint i = 0; parts[i]; i++)
+    {
+      char *eq = strchr (parts[i], '=');
+      if (eq == NULL || eq[1] == '\0')
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
+                       "--experts-implementation: “%s” is not key=name (use =name for the top level)", parts[i]);
+          return FALSE;
+        }
+      g_hash_table_insert (map, g_strndup (parts[i], eq - parts[i]), g_strdup (eq + 1));
+    }
+  moe_load_options_set_experts_implementation_map (opts, map);
+  return TRUE;
+}
+
+static MoeTensor *
+prompt_ids (gboolean byte_level, GError **error)
+{
+  g_autoptr(GArray) ids = g_array_new (FALSE, FALSE, sizeof (gint64));
+  gint64 shape[2] = { 1, 0 };
+
+  if (opt_ids != NULL)
+    {
+      g_auto(GStrv) parts = g_strsplit (opt_ids, ",", -1);
+      for (guint i = 0; parts[i]; i++)
+        {
+          gint64 v;
+          if (!g_ascii_string_to_signed (g_strstrip (parts[i]), 10, 0, G_MAXINT64, &v, NULL))
+            {
+              g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
+                           "--ids: “%s” is not a token id", parts[i]);
+              return NULL;
+            }
+          g_array_append_val (ids, v);
+        }
+    }
+  else if (byte_level)
+    {
+      const char *text = opt_prompt ? opt_prompt : "def read_config(path):\n    ";
+      for (const guchar *p = (const guchar *) text; *p; p++)
+        {
+          gint64 v = *p;
+          g_array_append_val (ids, v);
+        }
+    }
+  else
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
+                   "This model has a tokenizer libmoe does not read; give the prompt as --ids 1,2,3");
+      return NULL;
+    }
+  if (ids->len == 0)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT, "The prompt is empty");
+      return NULL;
+    }
+  shape[1] = ids->len;
+  return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2,
+                                    g_bytes_new (ids->data, ids->len * sizeof (gint64)), error);
+}
+
+typedef struct {
+  GMainLoop *loop;
+  MoeModel  *model;
+  MoeTensor *result;
+  GError    *error;
+  gboolean   byte_level;
+  guint      tokens;
+  gint64     started, first_token;
+} Run;
+
+static void
+on_loaded (GObject *source, GAsyncResult *res, gpointer data)
+{
+  Run *r = data;
+  r->model = moe_model_new_from_pretrained_finish (res, &r->error);
+  g_main_loop_quit (r->loop);
+}
+
+static gboolean
+on_loading_tick (gpointer data)
+{
+  Run *r = data;
+  g_printerr ("\rloading… %.1f s", (g_get_monotonic_time () - r->started) / 1e6);
+  return G_SOURCE_CONTINUE;
+}
+
+static void
+on_token (MoeModel *model, MoeTensor *tokens, gpointer data)
+{
+  Run *r = data;
+  gint64 id = *(const gint64 *) moe_tensor_get_data (tokens);
+
+  if (r->tokens++ == 0)
+    r->first_token = g_get_monotonic_time ();
+  if (r->byte_level)
+    {
+      guchar c = (guchar) id;
+      fwrite (&c, 1, 1, stdout);
+    }
+  else
+    g_print (" %" G_GINT64_FORMAT, id);
+  fflush (stdout);
+}
+
+static void
+on_generated (GObject *source, GAsyncResult *res, gpointer data)
+{
+  Run *r = data;
+  r->result = moe_model_generate_finish (MOE_MODEL (source), res, &r->error);
+  g_main_loop_quit (r->loop);
+}
+
+static int
+compare_strings (gconstpointer a, gconstpointer b)
+{
+  return strcmp (*(const char * const *) a, *(const char * const *) b);
+}
+
+static int
+run_generate_job (const char *path, GError **error)
+{
+  g_autoptr(MoeLoadOptions) opts = moe_load_options_new ();
+  g_autoptr(MoeGenerationConfig) cfg = NULL;
+  g_autoptr(MoeTensor) ids = NULL;
+  g_autoptr(GHashTable) map = NULL;
+  g_autoptr(GPtrArray) keys = NULL;
+  Run r = { 0, };
+  guint tick;
+  gint64 done;
+  double seconds, decode_seconds;
+
+  if (opt_max_new < 0 || opt_top_k < 0 || opt_temperature <= 0 || opt_top_p <= 0 || opt_top_p > 1 || opt_seed < 0)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
+                   "--max-new-tokens and --top-k must be ≥ 0, --temperature > 0, 0 < --top-p ≤ 1, --seed ≥ 0");
+      return 1;
+    }
+  if (opt_dtype != NULL)
+    moe_load_options_set_dtype (opts, opt_dtype);
+  if (opt_device != NULL)
+    moe_load_options_set_device (opts, opt_device);
+  if (opt_backends != NULL && opt_backends[0] != NULL &&
+      !parse_experts_spec (opt_backends[g_strv_length (opt_backends) - 1], opts, error))
+    return 1;
+
+  r.loop = g_main_loop_new (NULL, FALSE);
+  r.started = g_get_monotonic_time ();
+  tick = isatty (2) ? g_timeout_add (200, on_loading_tick, &r) : 0;
+  moe_model_new_from_pretrained_async (path, opts, NULL, on_loaded, &r);
+  g_main_loop_run (r.loop);
+  if (tick)
+    {
+      g_source_remove (tick);
+      g_printerr ("\r");
+    }
+  if (r.model == NULL)
+    {
+      g_propagate_error (error, r.error);
+      g_main_loop_unref (r.loop);
+      return 1;
+    }
+  g_printerr ("loaded %s (%s, %s, %s) in %.2f s\n", path,
+              moe_config_get_model_type (moe_model_get_config (r.model)),
+              moe_model_get_dtype (r.model), moe_model_get_device (r.model),
+              (g_get_monotonic_time () - r.started) / 1e6);
+
+  map = moe_model_get_experts_implementation (r.model);
+  keys = g_ptr_array_new ();
+  {
+    GHashTableIter iter;
+    gpointer k;
+    g_hash_table_iter_init (&iter, map);
+    while (g_hash_table_iter_next (&iter, &k, NULL))
+      g_ptr_array_add (keys, k);
+  }
+  g_ptr_array_sort (keys, compare_strings);
+  g_printerr ("experts implementation:");
+  for (guint i = 0; i < keys->len; i++)
+    g_printerr (" %s=%s", *(char *) keys->pdata[i] ? (char *) keys->pdata[i] : "\"\"",
+                (char *) g_hash_table_lookup (map, keys->pdata[i]));
+  g_printerr ("\n");
+
+  r.byte_level = moe_model_get_vocab_size (r.model) == 256 && opt_ids == NULL;
+  ids = prompt_ids (r.byte_level, error);
+  if (ids == NULL)
+    {
+      g_object_unref (r.model);
+      g_main_loop_unref (r.loop);
+      return 1;
+    }
+  cfg = moe_generation_config_copy (moe_model_get_generation_config (r.model));
+  g_object_set (cfg, "max-new-tokens", opt_max_new, "do-sample", opt_sample, "temperature", opt_temperature,
+                "top-k", opt_top_k, "top-p", opt_top_p, "seed", (guint64) opt_seed, NULL);
+
+  if (r.byte_level)
+    {
+      const gint64 *p = moe_tensor_get_data (ids);
+      for (gint64 i = 0; i < moe_tensor_get_dim (ids, 1); i++)
+        putchar ((int) p[i]);
+    }
+  else
+    {
+      const gint64 *p = moe_tensor_get_data (ids);
+      for (gint64 i = 0; i < moe_tensor_get_dim (ids, 1); i++)
+        g_print ("%s%" G_GINT64_FORMAT, i ? " " : "", p[i]);
+    }
+  fflush (stdout);
+
+  r.started = g_get_monotonic_time ();
+  moe_model_generate_async (r.model, ids, NULL, cfg, on_token, &r, NULL, NULL, on_generated, &r);
+  g_main_loop_run (r.loop);
+  done = g_get_monotonic_time ();
+  g_print ("\n");
+  if (r.result == NULL)
+    {
+      g_propagate_error (error, r.error);
+      g_object_unref (r.model);
+      g_main_loop_unref (r.loop);
+      return 1;
+    }
+  seconds = (done - r.started) / 1e6;
+  decode_seconds = r.tokens > 1 ? (done - r.first_token) / 1e6 : 0;
+  g_printerr ("%u tokens in %.2f s: %.1f tokens/s (prefill of %" G_GINT64_FORMAT " tokens %.1f ms, decode %.1f tokens/s)\n",
+              r.tokens, seconds, r.tokens / MAX (seconds, 1e-9), moe_tensor_get_dim (ids, 1),
+              (r.first_token - r.started) / 1e3, r.tokens > 1 ? (r.tokens - 1) / MAX (decode_seconds, 1e-9) : 0.0);
+  g_object_unref (r.result);
+  g_object_unref (r.model);
+  g_main_loop_unref (r.loop);
+  return 0;
+}
+
 int
 main (int argc, char *argv[])
 {
-  g_autoptr(GOptionContext) context = g_option_context_new ("[CHECKPOINT] — run a MoE checkpoint's experts through every backend");
+  g_autoptr(GOptionContext) context = g_option_context_new ("[experts] [CHECKPOINT] — generate with a MoE checkpoint");
   g_autoptr(GError) error = NULL;
   g_autofree char *path = NULL;
   int status;
@@ -355,6 +628,7 @@ main (int argc, char *argv[])
   g_option_context_add_main_entries (context, entries, NULL);
   g_option_context_set_description (context,
     "With no CHECKPOINT, runs the shipped demo model (a byte-level qwen3_moe trained on Python).\n"
+    "“moe experts” times the checkpoint's expert layers with every backend and checks they agree.\n"
     "Backends are GModule plugins found through MOE_PLUGIN_PATH and the installed plugin directory.");
   if (!g_option_context_parse (context, &argc, &argv, &error))
     {
@@ -378,15 +652,24 @@ main (int argc, char *argv[])
       return 0;
     }
 
-  if (opt_rest != NULL && opt_rest[0] != NULL)
-    path = g_strdup (opt_rest[0]);
-  else if ((path = find_demo_model ()) == NULL)
-    {
-      g_printerr ("moe: the demo model is not installed; name a checkpoint directory\n");
-      return 1;
-    }
+  {
+    gboolean experts = opt_rest != NULL && opt_rest[0] != NULL && g_str_equal (opt_rest[0], "experts");
+    char **rest = opt_rest ? opt_rest + experts : NULL;
 
-  status = run_experts_job (path, &error);
+    if (rest != NULL && rest[0] != NULL && rest[1] != NULL)
+      {
+        g_printerr ("moe: one checkpoint at a time (got “%s” and “%s”)\n", rest[0], rest[1]);
+        return 1;
+      }
+    if (rest != NULL && rest[0] != NULL)
+      path = g_strdup (rest[0]);
+    else if ((path = find_demo_model ()) == NULL)
+      {
+        g_printerr ("moe: the demo model is not installed; name a checkpoint directory\n");
+        return 1;
+      }
+    status = experts ? run_experts_job (path, &error) : run_generate_job (path, &error);
+  }
   if (error != NULL)
     g_printerr ("moe: %s\n", error->message);
   return status;
