@@ -111,8 +111,10 @@ moe_skeleton_backend_forward (MoeExpertsBackend *backend,
   g_autofree float *out = NULL;
   g_autofree float *y = NULL;
 
-  /* a host view of the experts' weights (read in place, in their dtype) */
-  moe_cpu_experts_init (&view, experts, moe_tensor_get_dtype (hidden_states));
+  /* a host view of the experts' weights (read in place, in their dtype);
+   * with BF16 or F16 hidden states every intermediate is rounded to that
+   * dtype, as transformers computes in it */
+  moe_cpu_experts_init (&view, experts, dtype);
   H = view.hidden;
   out = g_new0 (float, MAX (T * H, 1));
   y = g_new (float, H);
