@@ -481,10 +481,11 @@ _moe_plugin_info_load (MoePluginInfo  *self,
     }
   if (desc->module_name == NULL || !g_str_equal (desc->module_name, self->module_name))
     {
+      /* the descriptor lives in the module: copy what the message needs first */
+      g_autofree char *desc_name = g_strdup (desc->module_name ? desc->module_name : "(null)");
       g_module_close (module);
       FAIL (MOE_ERROR_PLUGIN_INIT, "Plugin “%s”: the module calls itself “%s” but %s says Module=%s",
-            self->name, desc->module_name ? desc->module_name : "(null)",
-            self->keyfile_path, self->module_name);
+            self->name, desc_name, self->keyfile_path, self->module_name);
     }
 
   /* Plugins are never unloaded: their types, and the CUDA runtime's global

@@ -30,7 +30,9 @@ typedef struct _MoePluginDesc MoePluginDesc;
  * @major_version: libmoe's major version the plugin was built against
  * @minor_version: libmoe's minor version the plugin was built against
  * @module_name: the module name; must equal the keyfile's `Module=`
- * @init: registers the plugin's types; returns %FALSE with @error set on failure
+ * @init: registers the plugin's types; returns %FALSE with @error set on
+ *   failure. It runs under the registry's lock: it must not call the
+ *   registry, and neither may the plugin type's instance init.
  *
  * What a plugin's entry symbol `moe_plugin_<module>_get_desc()` returns.
  */
