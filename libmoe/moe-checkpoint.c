@@ -4,6 +4,7 @@
  */
 #include "config.h"
 
+#include <stdlib.h>
 #include <string.h>
 #include <json-glib/json-glib.h>
 
@@ -101,6 +102,8 @@ moe_checkpoint_init (MoeCheckpoint *self)
   self->entries = g_hash_table_new_full (g_str_hash, g_str_equal, NULL, entry_free);
   self->metadata = g_hash_table_new_full (g_str_hash, g_str_equal, g_free, g_free);
 }
+
+static JsonParser *new_parser (GHashTable **seen);
 
 static gboolean
 bad (GError     **error,
@@ -226,6 +229,7 @@ open_shard (MoeCheckpoint  *self,
 {
   g_autoptr(GError) local = NULL;
   g_autoptr(JsonParser) parser = NULL;
+  g_autoptr(GHashTable) seen = NULL;
   g_autoptr(GPtrArray) in_shard = g_ptr_array_new ();
   g_autoptr(GList) members = NULL;
   Shard *shard;
@@ -264,9 +268,12 @@ open_shard (MoeCheckpoint  *self,
   shard->data_start = 8 + header_len;
   data_size = size - shard->data_start;
 
-  parser = json_parser_new_immutable ();
+  parser = new_parser (&seen);
   if (!json_parser_load_from_data (parser, (const char *) data + 8, (gssize) header_len, &local))
     return bad (error, path, "the header is not valid JSON: %s", local->message), NULL;
+  if (g_object_get_data (G_OBJECT (parser), "moe-duplicate") != NULL)
+    return bad (error, path, "the header names “%s” twice",
+                (const char *) g_object_get_data (G_OBJECT (parser), "moe-duplicate")), NULL;
   root = json_parser_get_root (parser);
   if (root == NULL || !JSON_NODE_HOLDS_OBJECT (root))
     return bad (error, path, "the header is not a JSON object"), NULL;
@@ -311,6 +318,31 @@ open_shard (MoeCheckpoint  *self,
   return shard;
 }
 
+/* json-glib keeps the last of duplicated members silently; a checkpoint
+ * with a name twice is ambiguous, so duplicates are counted as parsed. */
+static void
+on_object_member (JsonParser *parser,
+                  JsonObject *object,
+                  const char *name,
+                  gpointer    data)
+{
+  GHashTable *seen = data;
+  char *key = g_strdup_printf ("%p/%s", (gpointer) object, name);
+
+  if (!g_hash_table_add (seen, key))
+    g_object_set_data_full (G_OBJECT (parser), "moe-duplicate", g_strdup (name), g_free);
+}
+
+static JsonParser *
+new_parser (GHashTable **seen)
+{
+  JsonParser *parser = json_parser_new_immutable ();
+
+  *seen = g_hash_table_new_full (g_str_hash, g_str_equal, g_free, NULL);
+  g_signal_connect (parser, "object-member", G_CALLBACK (on_object_member), *seen);
+  return parser;
+}
+
 static gboolean
 is_plain_file_name (const char *name)
 {
@@ -324,7 +356,8 @@ open_index (MoeCheckpoint  *self,
             const char     *index_path,
             GError        **error)
 {
-  g_autoptr(JsonParser) parser = json_parser_new_immutable ();
+  g_autoptr(GHashTable) seen = NULL;
+  g_autoptr(JsonParser) parser = new_parser (&seen);
   g_autoptr(GError) local = NULL;
   g_autoptr(GHashTable) opened = g_hash_table_new (g_str_hash, g_str_equal);
   g_autoptr(GList) names = NULL;
@@ -333,6 +366,9 @@ open_index (MoeCheckpoint  *self,
 
   if (!json_parser_load_from_mapped_file (parser, index_path, &local))
     return bad (error, index_path, "not valid JSON: %s", local->message);
+  if (g_object_get_data (G_OBJECT (parser), "moe-duplicate") != NULL)
+    return bad (error, index_path, "“%s” appears twice",
+                (const char *) g_object_get_data (G_OBJECT (parser), "moe-duplicate"));
   root = json_parser_get_root (parser);
   if (root == NULL || !JSON_NODE_HOLDS_OBJECT (root) ||
       (map_node = json_object_get_member (json_node_get_object (root), "weight_map")) == NULL ||
@@ -357,6 +393,8 @@ open_index (MoeCheckpoint  *self,
       shard_path = g_build_filename (dir, file, NULL);
       if (!g_file_test (shard_path, G_FILE_TEST_IS_REGULAR))
         return bad (error, index_path, "the shard %s it names is missing", file);
+      if (!_moe_checkpoint_check_file (dir, file, error))
+        return FALSE;
       if (open_shard (self, shard_path, error) == NULL)
         return FALSE;
       g_hash_table_add (opened, (gpointer) file);
@@ -366,6 +404,54 @@ open_index (MoeCheckpoint  *self,
       return bad (error, index_path, "tensor “%s” is not in its shard %s", (char *) l->data,
                   json_object_get_string_member (map, l->data));
   return TRUE;
+}
+
+static gboolean
+is_within (const char *path,
+           const char *dir)
+{
+  gsize n = strlen (dir);
+
+  return strncmp (path, dir, n) == 0 && (path[n] == '/' || path[n] == '\0');
+}
+
+/* The symbolic-link policy for the files of a checkpoint directory: a file
+ * may be a link only to a file inside the directory, or — the Hugging Face
+ * cache layout, <repo>/snapshots/<revision>/<file> → <repo>/blobs/<hash> —
+ * inside its repository's blobs/ directory. Anything else is refused, so a
+ * checkpoint cannot make libmoe read files elsewhere on the system. */
+gboolean
+_moe_checkpoint_check_file (const char  *dir,
+                            const char  *name,
+                            GError     **error)
+{
+  g_autofree char *path = g_build_filename (dir, name, NULL);
+  g_autofree char *real_dir = realpath (dir, NULL);
+  g_autofree char *real = NULL;
+  g_autofree char *blobs = NULL;
+
+  if (!g_file_test (path, G_FILE_TEST_IS_SYMLINK))
+    return TRUE;
+  real = realpath (path, NULL);
+  if (real != NULL && real_dir != NULL)
+    {
+      g_autofree char *snapshots = g_path_get_dirname (real_dir);
+      g_autofree char *repo = g_path_get_dirname (snapshots);
+      g_autofree char *base = g_path_get_basename (snapshots);
+      if (is_within (real, real_dir))
+        return TRUE;
+      if (g_str_equal (base, "snapshots"))
+        {
+          blobs = g_build_filename (repo, "blobs", NULL);
+          if (is_within (real, blobs))
+            return TRUE;
+        }
+    }
+  g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CHECKPOINT,
+               "%s is a symbolic link to %s, outside the checkpoint directory; links may only point "
+               "inside it (or, in a Hugging Face cache, into the repository's blobs/)",
+               path, real ? real : "a missing file");
+  return FALSE;
 }
 
 /**
@@ -396,12 +482,14 @@ moe_checkpoint_open (const char  *path,
 
       if (g_file_test (index, G_FILE_TEST_IS_REGULAR))
         {
-          if (!open_index (self, path, index, error))
+          if (!_moe_checkpoint_check_file (path, "model.safetensors.index.json", error) ||
+              !open_index (self, path, index, error))
             return NULL;
         }
       else if (g_file_test (single, G_FILE_TEST_IS_REGULAR))
         {
-          if (open_shard (self, single, error) == NULL)
+          if (!_moe_checkpoint_check_file (path, "model.safetensors", error) ||
+              open_shard (self, single, error) == NULL)
             return NULL;
         }
       else

@@ -644,6 +644,9 @@ load (const char *path, MoeLoadOptions *options, GCancellable *cancellable, GErr
       return NULL;
     }
   config_path = g_build_filename (path, "config.json", NULL);
+  if (!_moe_checkpoint_check_file (path, "config.json", error) ||
+      !_moe_checkpoint_check_file (path, "generation_config.json", error))
+    return NULL;
   self->config = moe_config_new_from_file (config_path, error);
   if (self->config == NULL)
     return NULL;

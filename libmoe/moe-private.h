@@ -28,6 +28,9 @@ G_END_DECLS
 #include <json-glib/json-glib.h>
 
 G_BEGIN_DECLS
+gboolean    _moe_checkpoint_check_file  (const char  *dir,
+                                         const char  *name,
+                                         GError     **error);
 JsonObject *_moe_config_get_json_object (MoeConfig  *self);
 MoeConfig  *_moe_config_new_for_json    (JsonNode   *node,
                                          const char *name);

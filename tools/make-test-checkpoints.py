@@ -51,6 +51,8 @@ def broken():
         'short': None,
         'header-past-eof': None,
         'not-json': (b'{"a": {"dtype": ', f32),
+        'duplicate-name': (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                           b'"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}', f32),
         'not-object': (b'[1, 2, 3]', f32),
         'offsets-outside': ({'a': {'dtype': 'F32', 'shape': [2, 2], 'data_offsets': [0, 32]}}, f32),
         'offsets-reversed': ({'a': {'dtype': 'F32', 'shape': [0], 'data_offsets': [16, 0]}}, f32),
@@ -80,13 +82,18 @@ def broken():
     # a sharded checkpoint whose index names a missing shard, and one that
     # names a shard outside the directory
     for name, shard in (('index-missing-shard', 'model-00002-of-00002.safetensors'),
-                        ('index-escapes', '../broken/overlap.safetensors')):
+                        ('index-escapes', '../broken/overlap.safetensors'),
+                        ('index-duplicate', None)):
         sub = os.path.join(d, name)
         os.makedirs(sub, exist_ok=True)
         write(os.path.join(sub, 'model-00001-of-00002.safetensors'),
               {'a': ('F32', [4], f32)})
         with open(os.path.join(sub, 'model.safetensors.index.json'), 'w') as f:
-            json.dump({'metadata': {}, 'weight_map': {'a': 'model-00001-of-00002.safetensors', 'b': shard}}, f)
+            if shard is None:
+                f.write('{"weight_map": {"a": "model-00001-of-00002.safetensors", '
+                        '"a": "model-00001-of-00002.safetensors"}}')
+            else:
+                json.dump({'metadata': {}, 'weight_map': {'a': 'model-00001-of-00002.safetensors', 'b': shard}}, f)
     os.makedirs(os.path.join(d, 'empty-dir'), exist_ok=True)
     with open(os.path.join(d, 'empty-dir', 'README'), 'w') as f:
         f.write('A checkpoint directory with no safetensors files, for tests.\n')

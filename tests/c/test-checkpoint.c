@@ -4,6 +4,8 @@
  * SPDX-License-Identifier: LGPL-2.1-or-later
  */
 #include <string.h>
+#include <unistd.h>
+#include <glib/gstdio.h>
 #include <libmoe.h>
 #include <moe-plugin.h>
 
@@ -159,6 +161,8 @@ static const Broken broken[] = {
   { "missing-offsets.safetensors", MOE_ERROR_INVALID_CHECKPOINT, "data_offsets" },
   { "bad-metadata.safetensors", MOE_ERROR_INVALID_CHECKPOINT, "__metadata__" },
   { "too-many-dims.safetensors", MOE_ERROR_INVALID_CHECKPOINT, "dimensions" },
+  { "duplicate-name.safetensors", MOE_ERROR_INVALID_CHECKPOINT, "“a” twice" },
+  { "index-duplicate", MOE_ERROR_INVALID_CHECKPOINT, "appears twice" },
   { "index-missing-shard", MOE_ERROR_INVALID_CHECKPOINT, "missing" },
   { "index-escapes", MOE_ERROR_INVALID_CHECKPOINT, "plain file name" },
   { "empty-dir", MOE_ERROR_NOT_FOUND, "model.safetensors" },
@@ -178,6 +182,83 @@ test_broken (gconstpointer data)
   g_test_message ("%s", error->message);
   if (strstr (error->message, b->substring) == NULL)
     g_error ("“%s” does not mention “%s”", error->message, b->substring);
+}
+
+/* Links inside the directory, or into a Hugging Face cache's blobs/, are
+ * followed; links anywhere else are refused. */
+static void
+test_symlink_policy (void)
+{
+  g_autoptr(GError) error = NULL;
+  g_autofree char *fixture = moe_test_data_path ("experts", "silu_concat.safetensors", NULL);
+  g_autofree char *root = g_dir_make_tmp ("moe-links-XXXXXX", &error);
+  g_autofree char *outside = g_build_filename (root, "outside", NULL);
+  g_autofree char *inside = g_build_filename (root, "inside", NULL);
+  g_autofree char *repo = g_build_filename (root, "models--x--y", NULL);
+  g_autofree char *blobs = g_build_filename (repo, "blobs", NULL);
+  g_autofree char *snap = g_build_filename (repo, "snapshots", "abc123", NULL);
+  g_autofree char *blob = g_build_filename (blobs, "0123abcd", NULL);
+  g_autofree char *real = g_build_filename (inside, "weights.bin", NULL);
+  g_autofree char *link = NULL;
+  g_autofree char *data = NULL;
+  gsize size;
+
+  g_assert_no_error (error);
+  g_assert_true (g_file_get_contents (fixture, &data, &size, NULL));
+  g_assert_cmpint (g_mkdir_with_parents (outside, 0700), ==, 0);
+  g_assert_cmpint (g_mkdir_with_parents (inside, 0700), ==, 0);
+  g_assert_cmpint (g_mkdir_with_parents (blobs, 0700), ==, 0);
+  g_assert_cmpint (g_mkdir_with_parents (snap, 0700), ==, 0);
+
+  /* outside: refused */
+  link = g_build_filename (outside, "model.safetensors", NULL);
+  g_assert_cmpint (symlink (fixture, link), ==, 0);
+  {
+    g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (outside, &error);
+    g_assert_null (ck);
+    g_assert_error (error, MOE_ERROR, MOE_ERROR_INVALID_CHECKPOINT);
+    g_assert_nonnull (strstr (error->message, "outside the checkpoint directory"));
+    g_clear_error (&error);
+  }
+  /* …but a file named directly is the caller's choice */
+  {
+    g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (link, &error);
+    g_assert_no_error (error);
+  }
+  g_unlink (link);
+  g_clear_pointer (&link, g_free);
+
+  /* inside the directory: followed */
+  g_assert_true (g_file_set_contents (real, data, size, NULL));
+  link = g_build_filename (inside, "model.safetensors", NULL);
+  g_assert_cmpint (symlink ("weights.bin", link), ==, 0);
+  {
+    g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (inside, &error);
+    g_assert_no_error (error);
+    g_assert_true (moe_checkpoint_has_tensor (ck, "up_weight"));
+  }
+  g_unlink (link);
+  g_unlink (real);
+  g_clear_pointer (&link, g_free);
+
+  /* the Hugging Face cache layout: followed */
+  g_assert_true (g_file_set_contents (blob, data, size, NULL));
+  link = g_build_filename (snap, "model.safetensors", NULL);
+  g_assert_cmpint (symlink ("../../blobs/0123abcd", link), ==, 0);
+  {
+    g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (snap, &error);
+    g_assert_no_error (error);
+  }
+  g_unlink (link);
+  g_unlink (blob);
+  g_rmdir (snap);
+  g_autofree char *snaps = g_path_get_dirname (snap);
+  g_rmdir (snaps);
+  g_rmdir (blobs);
+  g_rmdir (repo);
+  g_rmdir (inside);
+  g_rmdir (outside);
+  g_rmdir (root);
 }
 
 static void
@@ -271,6 +352,7 @@ main (int argc, char *argv[])
       g_autofree char *p = g_strdup_printf ("/checkpoint/broken/%s", broken[i].file);
       g_test_add_data_func (p, &broken[i], test_broken);
     }
+  g_test_add_func ("/checkpoint/symlink-policy", test_symlink_policy);
   g_test_add_func ("/tensor/from-bytes", test_tensor_from_bytes);
   g_test_add_func ("/tensor/dtype-names", test_dtype_names);
 
