@@ -264,6 +264,12 @@ setup_rope (MoeTransformer *self, MoeConfig *c, GError **error)
     }
   if (type == NULL)
     type = g_strdup ("default");
+  if (!(theta > 1.0 && theta < 1e12) || !(partial > 0 && partial <= 1.0))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
+                   "config: rope_theta %g must be in (1, 1e12) and partial_rotary_factor %g in (0, 1]", theta, partial);
+      return FALSE;
+    }
   if (partial < 1.0)
     dim = (guint) (self->rope_dim * partial);
   self->rope_dim = dim;
@@ -579,6 +585,39 @@ _moe_transformer_new (MoeConfig      *top,
     self->top_k = first_int (c, topk_keys, -1, &local);
   if (local != NULL)
     goto fail_local;
+  /* every size is bounded before anything is allocated from it */
+  {
+    const struct { const char *what; gint64 value, max; } limits[] = {
+      { "hidden_size", self->hidden, 1 << 20 },
+      { "num_hidden_layers", self->layers, 1 << 12 },
+      { "num_attention_heads", self->heads, 1 << 12 },
+      { "num_key_value_heads", moe_config_get_int_or (c, "num_key_value_heads", self->heads, NULL), 1 << 12 },
+      { "head_dim", moe_config_get_int_or (c, "head_dim", 1, NULL), 1 << 14 },
+      { "vocab_size", self->vocab, 1 << 26 },
+      { "intermediate_size", moe_config_get_int_or (c, "intermediate_size", 1, NULL), 1 << 24 },
+      { "moe_intermediate_size", moe_config_get_int_or (c, "moe_intermediate_size", 1, NULL), 1 << 24 },
+      { "shared_expert_intermediate_size", moe_config_get_int_or (c, "shared_expert_intermediate_size", 1, NULL), 1 << 24 },
+      { "q_lora_rank", moe_config_get_int_or (c, "q_lora_rank", 1, NULL), 1 << 16 },
+      { "kv_lora_rank", moe_config_get_int_or (c, "kv_lora_rank", 1, NULL), 1 << 16 },
+      { "qk_nope_head_dim", moe_config_get_int_or (c, "qk_nope_head_dim", 1, NULL), 1 << 14 },
+      { "qk_rope_head_dim", moe_config_get_int_or (c, "qk_rope_head_dim", 2, NULL), 1 << 14 },
+      { "v_head_dim", moe_config_get_int_or (c, "v_head_dim", 1, NULL), 1 << 14 },
+    };
+    for (guint i = 0; i < G_N_ELEMENTS (limits); i++)
+      if (limits[i].value < 0 || limits[i].value > limits[i].max)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
+                       "config: %s is %" G_GINT64_FORMAT "; it must be between 0 and %" G_GINT64_FORMAT,
+                       limits[i].what, limits[i].value, limits[i].max);
+          goto fail;
+        }
+    if (!(self->eps >= 0 && self->eps < 1))
+      {
+        g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
+                     "config: rms_norm_eps is %g; it must be in [0, 1)", self->eps);
+        goto fail;
+      }
+  }
   if (self->kv_heads == 0 || self->heads % self->kv_heads != 0 || self->head_dim == 0 ||
       self->num_experts == 0 || self->top_k == 0 || self->top_k > self->num_experts ||
       self->num_experts > 1u << 20)
@@ -1306,6 +1345,24 @@ _moe_transformer_forward (MoeTransformer *m,
       }
   if (!kv_cache_reserve (cache, cache->length + n_tokens, error))
     return FALSE;
+
+  /* Out of memory must be an error, not an abort: the step's working set is
+   * tried once up front (activations, attention and expert temporaries). */
+  {
+    guint64 widest = MAX (m->head_dim, m->v_head_dim) * (guint64) m->heads;
+    guint64 per_row = 8 * (guint64) H + 4 * widest + 6 * (guint64) m->top_k * (H + 2 * 4096)
+                      + (guint64) (m->kv_lora + m->q_lora) * 2 + (last_only ? 0 : (guint64) m->vocab);
+    guint64 bytes = (guint64) rows * per_row * sizeof (float) + (guint64) (cache->length + n_tokens) * 4 * sizeof (float);
+    gpointer probe = bytes < G_MAXSIZE ? g_try_malloc ((gsize) bytes) : NULL;
+    if (probe == NULL)
+      {
+        g_set_error (error, MOE_ERROR, MOE_ERROR_OUT_OF_MEMORY,
+                     "A forward pass of %" G_GSIZE_FORMAT " tokens needs about %" G_GUINT64_FORMAT
+                     " MB of working memory, which could not be allocated", rows, bytes >> 20);
+        return FALSE;
+      }
+    g_free (probe);
+  }
 
   h = g_new (float, rows * H);
   x = g_new (float, rows * H);

@@ -166,10 +166,10 @@ test_sub_config_map (void)
   g_autofree char *impl = NULL;
 
   /* what transformers' reference.json records after this set */
-  g_hash_table_insert (want, "", "grouped_mm");
-  g_hash_table_insert (want, "text_config", "grouped_mm");
-  g_hash_table_insert (want, "vision_config", "eager");
-  g_hash_table_insert (want, "no_such_config", "eager");   /* ignored, as transformers does */
+  g_hash_table_insert (want, (gpointer) "", (gpointer) "grouped_mm");
+  g_hash_table_insert (want, (gpointer) "text_config", (gpointer) "grouped_mm");
+  g_hash_table_insert (want, (gpointer) "vision_config", (gpointer) "eager");
+  g_hash_table_insert (want, (gpointer) "no_such_config", (gpointer) "eager");   /* ignored, as transformers does */
   moe_load_options_set_dtype (opts, "float32");
   moe_load_options_set_experts_implementation_map (opts, want);
   model = moe_model_new_from_pretrained (path, opts, NULL, &error);
@@ -185,8 +185,8 @@ test_sub_config_map (void)
   {
     g_autoptr(GHashTable) m2 = g_hash_table_new (g_str_hash, g_str_equal);
     g_autoptr(MoeTensor) logits = NULL;
-    g_hash_table_insert (m2, "text_config", "eager");
-    g_hash_table_insert (m2, "", "batched_mm");
+    g_hash_table_insert (m2, (gpointer) "text_config", (gpointer) "eager");
+    g_hash_table_insert (m2, (gpointer) "", (gpointer) "batched_mm");
     g_assert_true (moe_model_set_experts_implementation_map (model, m2, &error));
     logits = moe_model_forward (model, ids, &error);
     g_assert_no_error (error);
@@ -307,6 +307,7 @@ on_phase (MoeModel *model, MoePhase phase, gpointer data)
   g_ptr_array_add (w->phases, g_strdup_printf ("%d", phase));
   if (phase == MOE_PHASE_DECODE)
     {
+      g_free (w->seen_in_decode);  /* a Watch may see several generations */
       w->seen_in_decode = g_strdup (g_hash_table_lookup (map, ""));
       if (w->cancel_on_decode)
         g_cancellable_cancel (w->cancel_on_decode);
