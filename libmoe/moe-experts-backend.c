@@ -180,14 +180,14 @@ ensure_prepared (MoeExpertsBackend *self,
     return TRUE;
 
   key = g_strdup_printf ("moe-prepared-%p", (gpointer) self);
-  g_mutex_lock (&priv->prepare_lock);
+  moe_mutex_lock (&priv->prepare_lock);
   if (g_object_get_data (G_OBJECT (experts), key) == NULL)
     {
       ok = klass->prepare (self, experts, error);
       if (ok)
         g_object_set_data (G_OBJECT (experts), key, GINT_TO_POINTER (1));
     }
-  g_mutex_unlock (&priv->prepare_lock);
+  moe_mutex_unlock (&priv->prepare_lock);
   return ok;
 }
 

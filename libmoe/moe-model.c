@@ -137,6 +137,23 @@ emission_free (gpointer data)
   g_free (e);
 }
 
+/* Queues @func on @context, always: g_main_context_invoke() would run it at
+ * once, on this thread, whenever nobody iterates @context right now. */
+static void
+run_on_context (GMainContext   *context,
+                GSourceFunc     func,
+                gpointer        data,
+                GDestroyNotify  destroy)
+{
+  GSource *source = g_idle_source_new ();
+
+  g_source_set_priority (source, G_PRIORITY_DEFAULT);
+  g_source_set_callback (source, func, data, destroy);
+  g_source_set_static_name (source, "[libmoe] callback");
+  g_source_attach (source, context);
+  g_source_unref (source);
+}
+
 /* Emits at once on the owner thread; from any other thread, queues the
  * emission on the owner's main context. */
 static void
@@ -148,7 +165,7 @@ emit_on_owner (Emission *e)
       emission_free (e);
     }
   else
-    g_main_context_invoke_full (e->model->owner_context, G_PRIORITY_DEFAULT, emit_now, e, emission_free);
+    run_on_context (e->model->owner_context, emit_now, e, emission_free);
 }
 
 static void
@@ -169,14 +186,14 @@ set_phase (MoeModel *self, MoePhase phase)
 {
   Emission *e;
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   if (self->phase == phase)
     {
-      g_mutex_unlock (&self->lock);
+      moe_mutex_unlock (&self->lock);
       return;
     }
   self->phase = phase;
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
 
   e = g_new0 (Emission, 1);
   e->model = g_object_ref (self);
@@ -234,7 +251,7 @@ apply_map (MoeModel *self, GHashTable *requested, GError **error)
 {
   g_autoptr(GPtrArray) changes = g_ptr_array_new_with_free_func (g_free);
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   for (guint i = 0; i < self->keys->len; i++)
     {
       const char *key = self->keys->pdata[i];
@@ -245,13 +262,13 @@ apply_map (MoeModel *self, GHashTable *requested, GError **error)
         continue;
       if (!is_valid_backend (want))
         {
-          g_mutex_unlock (&self->lock);
+          moe_mutex_unlock (&self->lock);
           set_invalid_backend (error, want);
           return FALSE;
         }
       if (g_str_equal (want, MEGAMOE) || g_str_equal (have, MEGAMOE))
         {
-          g_mutex_unlock (&self->lock);
+          moe_mutex_unlock (&self->lock);
           g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
                        "Cannot switch the experts implementation of “%s” from %s to %s after loading: "
                        "deepgemm_megamoe is a load-time choice (it repacks the weights once); "
@@ -273,7 +290,7 @@ apply_map (MoeModel *self, GHashTable *requested, GError **error)
       g_ptr_array_add (changes, g_strdup (want));
       g_hash_table_insert (self->impl, g_strdup (key), g_strdup (want));
     }
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
 
   for (guint i = 0; i < changes->len; i += 3)
     emit_changed (self, changes->pdata[i], changes->pdata[i + 1], changes->pdata[i + 2]);
@@ -376,11 +393,11 @@ moe_model_get_experts_implementation (MoeModel *self)
   g_return_val_if_fail (MOE_IS_MODEL (self), NULL);
 
   out = g_hash_table_new_full (g_str_hash, g_str_equal, g_free, g_free);
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   for (guint i = 0; i < self->keys->len; i++)
     g_hash_table_insert (out, g_strdup (self->keys->pdata[i]),
                          g_strdup (g_hash_table_lookup (self->impl, self->keys->pdata[i])));
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   return out;
 }
 
@@ -399,9 +416,9 @@ moe_model_dup_experts_implementation_for (MoeModel   *self,
   char *out;
 
   g_return_val_if_fail (MOE_IS_MODEL (self), NULL);
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   out = g_strdup (g_hash_table_lookup (self->impl, key));
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   return out;
 }
 
@@ -687,9 +704,9 @@ load (const char *path, MoeLoadOptions *options, GCancellable *cancellable, GErr
   if (self->transformer == NULL)
     return NULL;
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   sync_experts_locked (self);
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   return g_steal_pointer (&self);
 }
 
@@ -798,9 +815,15 @@ MoeModel *
 moe_model_new_from_pretrained_finish (GAsyncResult  *result,
                                       GError       **error)
 {
+  MoeModel *model;
+
   g_return_val_if_fail (g_task_is_valid (result, NULL), NULL);
   g_return_val_if_fail (g_task_get_source_tag (G_TASK (result)) == moe_model_new_from_pretrained_async, NULL);
-  return g_task_propagate_pointer (G_TASK (result), error);
+  model = g_task_propagate_pointer (G_TASK (result), error);
+  /* _finish runs on the caller's thread: it owns the model from now on */
+  if (model != NULL)
+    model->owner_thread = g_thread_self ();
+  return model;
 }
 
 /* ------------------------------------------------------------------ */
@@ -926,9 +949,9 @@ forward_locked (MoeModel *self, const Batch *b, GError **error)
   if (logits == NULL)
     return NULL;
   prefill_positions (b, positions, next);
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   sync_experts_locked (self);
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
 
   cache = _moe_kv_cache_new (self->transformer, b->B);
   ok = _moe_transformer_forward (self->transformer, cache, b->ids, b->B, b->T, positions, b->mask, FALSE,
@@ -964,9 +987,9 @@ moe_model_forward_with_mask (MoeModel   *self,
 
   if (batch_init (&b, input_ids, attention_mask, error))
     {
-      g_mutex_lock (&self->run_lock);
+      moe_mutex_lock (&self->run_lock);
       out = forward_locked (self, &b, error);
-      g_mutex_unlock (&self->run_lock);
+      moe_mutex_unlock (&self->run_lock);
     }
   batch_clear (&b);
   return out;
@@ -991,12 +1014,50 @@ moe_model_forward (MoeModel   *self,
 /* ------------------------------------------------------------------ */
 /* Generation                                                          */
 
+/* Where a generation's per-step tokens go. Shared by the generation and
+ * every queued callback, and freed — with the caller's data — after the
+ * last of them has run, wherever that happens. */
 typedef struct {
+  gatomicrefcount   ref;
   MoeModel         *model;
   GMainContext     *context;    /* where token callbacks run */
   MoeTokenCallback  callback;
   gpointer          data;
+  GDestroyNotify    destroy;
 } TokenSink;
+
+static TokenSink *
+token_sink_ref (TokenSink *sink)
+{
+  g_atomic_ref_count_inc (&sink->ref);
+  return sink;
+}
+
+static gboolean
+token_sink_destroy (gpointer p)
+{
+  TokenSink *sink = p;
+
+  if (sink->destroy != NULL)
+    sink->destroy (sink->data);
+  g_object_unref (sink->model);
+  g_main_context_unref (sink->context);
+  g_free (sink);
+  return G_SOURCE_REMOVE;
+}
+
+/* The caller's data is released on the caller's context (bindings such as
+ * GJS cannot free their closures from a worker thread). */
+static void
+token_sink_unref (TokenSink *sink)
+{
+  if (!g_atomic_ref_count_dec (&sink->ref))
+    return;
+  if (g_main_context_is_owner (sink->context))
+    token_sink_destroy (sink);
+  else
+    run_on_context (sink->context, token_sink_destroy, sink, NULL);
+}
 
 typedef struct {
   TokenSink *sink;
@@ -1018,6 +1079,7 @@ token_call_free (gpointer p)
   TokenCall *c = p;
 
   g_object_unref (c->tokens);
+  token_sink_unref (c->sink);
   g_free (c);
 }
 
@@ -1154,61 +1216,7 @@ generate_locked (MoeModel            *self,
           break;
         }
 
-      /* the attention validity of every cached position, [B, len] */
-      key_valid = g_new (guint8, (gsize) b->B * len);
-      for (guint i = 0; i < b->B; i++)
-        memcpy (key_valid + (gsize) i * len, valid + (gsize) i * L, len);
-
-      if (step == 0)
-        {
-          ids = g_memdup2 (b->ids, (gsize) b->B * b->T * sizeof (gint64));
-          pos = g_memdup2 (positions, (gsize) b->B * b->T * sizeof (gint64));
-        }
-      else
-        {
-          ids = g_new (gint64, b->B);
-          pos = g_new (gint64, b->B);
-          for (guint i = 0; i < b->B; i++)
-            {
-              ids[i] = g_array_index (out, gint64, (gsize) (step - 1) * b->B + i);
-              pos[i] = next_pos[i]++;
-            }
-        }
-
-      g_mutex_lock (&self->lock);
-      sync_experts_locked (self);
-      g_mutex_unlock (&self->lock);
-      if (!_moe_transformer_forward (tf, cache, ids, b->B, T, pos, key_valid, TRUE, logits, error))
-        {
-          ok = FALSE;
-          break;
-        }
-
-      for (guint i = 0; i < b->B; i++)
-        {
-          gint64 tok = finished[i] ? pad : sample (logits + (gsize) i * V, V, config, rng);
-          g_array_append_val (out, tok);
-          for (guint e = 0; e < n_eos && !finished[i]; e++)
-            finished[i] = tok == eos[e];
-          all_done &= finished[i];
-          valid[(gsize) i * L + b->T + step] = 1;
-        }
-      done_steps++;
-
-      if (sink != NULL && sink->callback != NULL)
-        {
-          gint64 shape[1] = { b->B };
-          TokenCall *c = g_new0 (TokenCall, 1);
-          c->sink = sink;
-          c->tokens = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 1,
-                                                 g_bytes_new ((const gint64 *) out->data + (gsize) step * b->B,
-                                                              b->B * sizeof (gint64)), NULL);
-          g_main_context_invoke_full (sink->context, G_PRIORITY_DEFAULT, token_call_run, c, token_call_free);
-        }
-      if (all_done)
-        break;
-
-      if (step == 0)
+      if (step == 1)
         {
           /* the decode switch: grouped_mm entries run batched_mm from here on */
           policy = moe_model_get_decode_switch (self);
@@ -1235,11 +1243,77 @@ generate_locked (MoeModel            *self,
             }
           set_phase (self, MOE_PHASE_DECODE);
         }
+
+      /* the attention validity of every cached position, [B, len] */
+      key_valid = g_new (guint8, (gsize) b->B * len);
+      for (guint i = 0; i < b->B; i++)
+        memcpy (key_valid + (gsize) i * len, valid + (gsize) i * L, len);
+
+      if (step == 0)
+        {
+          ids = g_memdup2 (b->ids, (gsize) b->B * b->T * sizeof (gint64));
+          pos = g_memdup2 (positions, (gsize) b->B * b->T * sizeof (gint64));
+        }
+      else
+        {
+          ids = g_new (gint64, b->B);
+          pos = g_new (gint64, b->B);
+          for (guint i = 0; i < b->B; i++)
+            {
+              ids[i] = g_array_index (out, gint64, (gsize) (step - 1) * b->B + i);
+              pos[i] = next_pos[i]++;
+            }
+        }
+
+      moe_mutex_lock (&self->lock);
+      sync_experts_locked (self);
+      moe_mutex_unlock (&self->lock);
+      if (!_moe_transformer_forward (tf, cache, ids, b->B, T, pos, key_valid, TRUE, logits, error))
+        {
+          ok = FALSE;
+          break;
+        }
+
+      for (guint i = 0; i < b->B; i++)
+        {
+          gint64 tok = finished[i] ? pad : sample (logits + (gsize) i * V, V, config, rng);
+          g_array_append_val (out, tok);
+          for (guint e = 0; e < n_eos && !finished[i]; e++)
+            finished[i] = tok == eos[e];
+          all_done &= finished[i];
+          valid[(gsize) i * L + b->T + step] = 1;
+        }
+      done_steps++;
+
+      if (sink != NULL && sink->callback != NULL)
+        {
+          gint64 shape[1] = { b->B };
+          TokenCall *c = g_new0 (TokenCall, 1);
+          c->sink = token_sink_ref (sink);
+          c->tokens = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 1,
+                                                 g_bytes_new ((const gint64 *) out->data + (gsize) step * b->B,
+                                                              b->B * sizeof (gint64)), NULL);
+          run_on_context (sink->context, token_call_run, c, token_call_free);
+        }
+      if (all_done)
+        break;
+
     }
 
-  /* restored whatever happened */
+  /* restored whatever happened; an entry changed by someone else during
+   * the generation keeps their value */
   if (switched)
-    apply_map (self, original, NULL);
+    {
+      g_autoptr(GHashTable) now = moe_model_get_experts_implementation (self);
+      g_autoptr(GHashTable) back = g_hash_table_new (g_str_hash, g_str_equal);
+      GHashTableIter iter;
+      gpointer k, v;
+      g_hash_table_iter_init (&iter, original);
+      while (g_hash_table_iter_next (&iter, &k, &v))
+        if (g_str_equal (v, "grouped_mm") && g_strcmp0 (g_hash_table_lookup (now, k), "batched_mm") == 0)
+          g_hash_table_insert (back, k, v);
+      apply_map (self, back, NULL);
+    }
   _moe_kv_cache_free (cache);
   set_phase (self, MOE_PHASE_IDLE);
 
@@ -1272,9 +1346,9 @@ generate (MoeModel *self, MoeTensor *input_ids, MoeTensor *attention_mask, MoeGe
 
   if (batch_init (&b, input_ids, attention_mask, error))
     {
-      g_mutex_lock (&self->run_lock);
+      moe_mutex_lock (&self->run_lock);
       out = generate_locked (self, &b, config ? config : self->generation_config, sink, cancellable, error);
-      g_mutex_unlock (&self->run_lock);
+      moe_mutex_unlock (&self->run_lock);
     }
   batch_clear (&b);
   return out;
@@ -1336,8 +1410,7 @@ typedef struct {
   MoeTensor           *input_ids;
   MoeTensor           *attention_mask;
   MoeGenerationConfig *config;
-  TokenSink            sink;
-  GDestroyNotify       token_destroy;
+  TokenSink           *sink;
 } GenerateData;
 
 static void
@@ -1348,9 +1421,7 @@ generate_data_free (gpointer p)
   g_clear_object (&d->input_ids);
   g_clear_object (&d->attention_mask);
   g_clear_object (&d->config);
-  if (d->token_destroy != NULL)
-    d->token_destroy (d->sink.data);
-  g_main_context_unref (d->sink.context);
+  token_sink_unref (d->sink);
   g_free (d);
 }
 
@@ -1360,7 +1431,7 @@ generate_thread (GTask *task, gpointer source, gpointer task_data, GCancellable 
   GenerateData *d = task_data;
   GError *error = NULL;
   MoeTensor *out = generate (MOE_MODEL (source), d->input_ids, d->attention_mask, d->config,
-                             &d->sink, cancellable, &error);
+                             d->sink, cancellable, &error);
 
   if (out == NULL)
     g_task_return_error (task, error);
@@ -1410,11 +1481,13 @@ moe_model_generate_async (MoeModel            *self,
   d->input_ids = g_object_ref (input_ids);
   d->attention_mask = attention_mask ? g_object_ref (attention_mask) : NULL;
   d->config = config ? moe_generation_config_copy (config) : NULL;
-  d->sink.model = self;
-  d->sink.context = g_main_context_ref_thread_default ();
-  d->sink.callback = token_callback;
-  d->sink.data = token_data;
-  d->token_destroy = token_destroy;
+  d->sink = g_new0 (TokenSink, 1);
+  g_atomic_ref_count_init (&d->sink->ref);
+  d->sink->model = g_object_ref (self);
+  d->sink->context = g_main_context_ref_thread_default ();
+  d->sink->callback = token_callback;
+  d->sink->data = token_data;
+  d->sink->destroy = token_destroy;
   g_task_set_task_data (task, d, generate_data_free);
   g_task_run_in_thread (task, generate_thread);
 }
@@ -1522,9 +1595,9 @@ moe_model_get_decode_switch (MoeModel *self)
   MoeDecodeSwitch p;
 
   g_return_val_if_fail (MOE_IS_MODEL (self), MOE_DECODE_SWITCH_AUTO);
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   p = self->decode_switch;
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   return p;
 }
 
@@ -1540,10 +1613,10 @@ moe_model_set_decode_switch (MoeModel        *self,
   gboolean changed;
 
   g_return_if_fail (MOE_IS_MODEL (self));
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   changed = self->decode_switch != policy;
   self->decode_switch = policy;
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   if (changed)
     g_object_notify_by_pspec (G_OBJECT (self), properties[PROP_DECODE_SWITCH]);
 }
@@ -1560,8 +1633,8 @@ moe_model_get_phase (MoeModel *self)
   MoePhase p;
 
   g_return_val_if_fail (MOE_IS_MODEL (self), MOE_PHASE_IDLE);
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   p = self->phase;
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   return p;
 }

@@ -237,17 +237,17 @@ moe_plugin_registry_add_search_path (MoePluginRegistry *self,
       return;
     }
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   for (guint i = 0; i < self->search_paths->len; i++)
     if (g_str_equal (g_ptr_array_index (self->search_paths, i), path))
       {
-        g_mutex_unlock (&self->lock);
+        moe_mutex_unlock (&self->lock);
         return;
       }
   g_ptr_array_add (self->search_paths, g_strdup (path));
   if (self->scanned)
     scan_directory_locked (self, path);
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
 }
 
 /**
@@ -262,12 +262,12 @@ moe_plugin_registry_rescan (MoePluginRegistry *self)
 {
   g_return_if_fail (MOE_IS_PLUGIN_REGISTRY (self));
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   g_ptr_array_set_size (self->rejected, 0);
   for (guint i = 0; i < self->search_paths->len; i++)
     scan_directory_locked (self, g_ptr_array_index (self->search_paths, i));
   self->scanned = TRUE;
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
 }
 
 static char **
@@ -276,7 +276,7 @@ list_kind (MoePluginRegistry *self,
 {
   GPtrArray *names = g_ptr_array_new ();
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   ensure_scanned_locked (self);
   for (guint i = 0; i < self->plugins->len; i++)
     {
@@ -284,7 +284,7 @@ list_kind (MoePluginRegistry *self,
       if (moe_plugin_info_get_kind (info) == kind)
         g_ptr_array_add (names, g_strdup (moe_plugin_info_get_name (info)));
     }
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
 
   g_ptr_array_sort (names, compare_names);
   g_ptr_array_add (names, NULL);
@@ -339,10 +339,10 @@ moe_plugin_registry_lookup (MoePluginRegistry *self,
   g_return_val_if_fail (MOE_IS_PLUGIN_REGISTRY (self), NULL);
   g_return_val_if_fail (name != NULL, NULL);
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   ensure_scanned_locked (self);
   info = find_locked (self, kind, name);
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   return info;
 }
 
@@ -360,11 +360,11 @@ moe_plugin_registry_dup_rejected (MoePluginRegistry *self)
 
   g_return_val_if_fail (MOE_IS_PLUGIN_REGISTRY (self), out);
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   ensure_scanned_locked (self);
   for (guint i = 0; i < self->rejected->len; i++)
     g_ptr_array_add (out, g_strdup (g_ptr_array_index (self->rejected, i)));
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   return out;
 }
 
@@ -392,11 +392,11 @@ get_instance (MoePluginRegistry  *self,
   GObject *instance;
   GType type;
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   instance = g_hash_table_lookup (self->instances, key);
   if (instance != NULL)
     {
-      g_mutex_unlock (&self->lock);
+      moe_mutex_unlock (&self->lock);
       return instance;
     }
 
@@ -404,7 +404,7 @@ get_instance (MoePluginRegistry  *self,
   info = find_locked (self, kind, name);
   if (info == NULL)
     {
-      g_mutex_unlock (&self->lock);
+      moe_mutex_unlock (&self->lock);
       if (kind == MOE_PLUGIN_KIND_EXPERTS_BACKEND)
         _moe_set_unknown_backend (error, self, name);
       else
@@ -420,13 +420,13 @@ get_instance (MoePluginRegistry  *self,
   type = _moe_plugin_info_load (info, error);
   if (type == G_TYPE_INVALID)
     {
-      g_mutex_unlock (&self->lock);
+      moe_mutex_unlock (&self->lock);
       return NULL;
     }
 
   instance = g_object_new (type, "name", name, NULL);
   g_hash_table_insert (self->instances, g_steal_pointer (&key), instance);
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   return instance;
 }
 
@@ -484,10 +484,10 @@ list_model_get_n_items (GListModel *model)
   MoePluginRegistry *self = MOE_PLUGIN_REGISTRY (model);
   guint n;
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   ensure_scanned_locked (self);
   n = self->plugins->len;
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   return n;
 }
 
@@ -498,11 +498,11 @@ list_model_get_item (GListModel *model,
   MoePluginRegistry *self = MOE_PLUGIN_REGISTRY (model);
   gpointer item = NULL;
 
-  g_mutex_lock (&self->lock);
+  moe_mutex_lock (&self->lock);
   ensure_scanned_locked (self);
   if (position < self->plugins->len)
     item = g_object_ref (g_ptr_array_index (self->plugins, position));
-  g_mutex_unlock (&self->lock);
+  moe_mutex_unlock (&self->lock);
   return item;
 }
 

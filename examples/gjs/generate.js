@@ -124,11 +124,6 @@ const args = parseArgs(ARGV);
 const loop = new GLib.MainLoop(null, false);
 const cancellable = new Gio.Cancellable();
 let status = 0;
-// libmoe releases generate_async's token callback when the task is
-// finalized, which can happen on its worker thread; GJS must not release a
-// JS callback there. Holding the GAsyncResult until exit keeps the last
-// reference on this thread.
-const keepAlive = [];
 
 GLib.unix_signal_add(GLib.PRIORITY_DEFAULT, SIGINT, () => {
     cancellable.cancel();
@@ -180,7 +175,6 @@ function generate(model) {
         else                                      // not a byte: a model with a larger vocabulary
             write(`\u27e8${tok}\u27e9`);
     }, cancellable, (m, res) => {
-        keepAlive.push(res);
         let cancelled = false;
         try {
             m.generate_finish(res);

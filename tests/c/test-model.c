@@ -316,6 +316,13 @@ on_phase (MoeModel *model, MoePhase phase, gpointer data)
     }
 }
 
+static void
+break_text_config (MoeModel *model, MoePhase phase)
+{
+  if (phase == MOE_PHASE_DECODE)
+    g_assert_true (moe_model_set_experts_implementation_for (model, "text_config", "deepgemm", NULL));
+}
+
 static MoeTensor *
 run_watched (Watch *w, MoeDecodeSwitch policy, GError **error)
 {
@@ -426,16 +433,67 @@ test_decode_switch (void)
   }
   watch_clear (&w);
 
-  /* an error mid-generation: a decode step's backend is not installed */
+  /* an error mid-generation: a decode step's backend is not installed; the
+   * entry the user changed during the generation keeps the user's value,
+   * and the switch leaves no batched_mm behind */
   watch_init (&w);
   w.break_on_decode = "deepgemm";
   {
     g_autoptr(MoeTensor) out = run_watched (&w, MOE_DECODE_SWITCH_ALWAYS, &error);
+    g_autoptr(GHashTable) map = NULL;
     g_assert_null (out);
     g_assert_error (error, MOE_ERROR, MOE_ERROR_UNKNOWN_BACKEND);
     g_clear_error (&error);
+    map = moe_model_get_experts_implementation (w.model);
+    g_assert_true (map_equals (map, (const char *[]) { "", "deepgemm", NULL }));
+    g_assert_cmpint (moe_model_get_phase (w.model), ==, MOE_PHASE_IDLE);
   }
-  assert_restored (&w);
+  watch_clear (&w);
+
+  /* the same with two MoE-bearing keys: the one the user did not touch is
+   * restored after the error */
+  {
+    g_autofree char *path = moe_test_data_path ("models", "qwen3_vl_moe", NULL);
+    g_autoptr(MoeModel) vl = moe_model_new_from_pretrained (path, NULL, NULL, &error);
+    g_autoptr(MoeTensor) ids = reference ("qwen3_vl_moe", "reference.safetensors", "input_ids");
+    g_autoptr(MoeTensor) prompt = first_row (ids);
+    g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
+    g_autoptr(MoeTensor) out = NULL;
+    g_autoptr(GHashTable) map = NULL;
+    Watch v = { vl, g_ptr_array_new_with_free_func (g_free), g_ptr_array_new_with_free_func (g_free), };
+
+    g_assert_no_error (error);
+    g_object_set (cfg, "max-new-tokens", 4, NULL);
+    g_signal_connect (vl, "phase-changed", G_CALLBACK (on_phase), &v);
+    v.break_on_decode = NULL;
+    moe_model_set_decode_switch (vl, MOE_DECODE_SWITCH_ALWAYS);
+    g_signal_connect_swapped (vl, "phase-changed", G_CALLBACK (break_text_config), vl);
+    out = moe_model_generate (vl, prompt, cfg, NULL, &error);
+    g_assert_null (out);
+    g_assert_error (error, MOE_ERROR, MOE_ERROR_UNKNOWN_BACKEND);
+    g_clear_error (&error);
+    map = moe_model_get_experts_implementation (vl);
+    g_assert_true (map_equals (map, (const char *[]) { "", "grouped_mm", "text_config", "deepgemm",
+                                                       "vision_config", "grouped_mm", NULL }));
+    g_ptr_array_unref (v.events);
+    g_ptr_array_unref (v.phases);
+    g_free (v.seen_in_decode);
+  }
+
+  /* one new token: no decode step, no switch */
+  watch_init (&w);
+  {
+    g_autoptr(MoeTensor) ids = reference ("qwen2_moe", "reference.safetensors", "input_ids");
+    g_autoptr(MoeTensor) prompt = first_row (ids);
+    g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
+    g_autoptr(MoeTensor) out = NULL;
+    g_object_set (cfg, "max-new-tokens", 1, NULL);
+    moe_model_set_decode_switch (w.model, MOE_DECODE_SWITCH_ALWAYS);
+    out = moe_model_generate (w.model, prompt, cfg, NULL, &error);
+    g_assert_no_error (error);
+    g_assert_cmpuint (w.events->len, ==, 0);
+    g_assert_cmpuint (w.phases->len, ==, 2);   /* prefill, idle */
+  }
   watch_clear (&w);
 }
 

@@ -220,9 +220,13 @@ test_unref_while_async (void)
   g_assert_cmpmem (moe_tensor_get_data (r.result), moe_tensor_get_n_bytes (r.result),
                    moe_tensor_get_data (generated), moe_tensor_get_n_bytes (generated));
   g_clear_object (&r.result);
-  /* the task's reference goes with the last pending idle */
-  while (model != NULL && g_main_context_iteration (NULL, FALSE))
-    ;
+  /* the last references go with idles the worker queues on this context */
+  {
+    gint64 deadline = g_get_monotonic_time () + 10 * G_USEC_PER_SEC;
+    while (model != NULL && g_get_monotonic_time () < deadline)
+      if (!g_main_context_iteration (NULL, FALSE))
+        g_usleep (1000);
+  }
   g_assert_null (model);
   g_main_loop_unref (r.loop);
 }

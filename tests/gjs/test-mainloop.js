@@ -119,12 +119,6 @@ function runLoop(loop) {
     GLib.source_remove(id);
 }
 
-// libmoe frees generate_async's task data, and with it the token callback's
-// closure, in moe_model_generate_async()'s GTask finalizer; when the worker
-// thread drops the last reference that runs on the worker, and GJS crashes
-// releasing a JS closure off the main thread. Holding every GAsyncResult
-// until the end keeps the last reference, and the release, on this thread.
-const keepAlive = [];
 
 // One generate_async on a fresh GLib.MainLoop, with a timeout ticking every
 // tickMs. Returns what the callbacks saw, in the order they ran.
@@ -147,7 +141,6 @@ function generateOnLoop(model, ids, config, {tickMs = 2, cancellable = null, onT
             run.steps.push(ints(tokens));
             run.events.push('token');
         }, cancellable, (m, res) => {
-            keepAlive.push(res);
             finished = true;
             run.ticksAtFinish = run.ticks;
             try {

@@ -683,14 +683,10 @@ class ModelTest(unittest.TestCase):
         self.assertTrue(run.error.matches(Moe.error_quark(), Moe.Error.DTYPE_MISMATCH), run.error.message)
         self.assertEqual(run.steps, [])
 
-    @unittest.expectedFailure
     def test_async_callbacks_never_run_on_the_worker(self):
-        # Known libmoe bug: emit_on_owner() and the token sink use
-        # g_main_context_invoke_full(), which runs the function at once on the
-        # calling thread when that thread can acquire the context. A GTask
-        # worker's thread-default context is the global default, so while the
-        # caller is not iterating it (here: busy before loop.run()), token
-        # callbacks and phase-changed run on the worker thread.
+        # g_main_context_invoke() would run a callback at once on the worker
+        # whenever the caller is not iterating its context (here: busy before
+        # loop.run()); libmoe always queues them on the caller's context.
         family = 'mixtral'
         model = load(family)
         main = threading.get_ident()
@@ -705,13 +701,10 @@ class ModelTest(unittest.TestCase):
         self.assertEqual(len(threads), 3 + 4)
         self.assertEqual(set(threads), {True})
 
-    @unittest.expectedFailure
     def test_token_data_released_on_the_callers_thread(self):
-        # Known libmoe bug: generate_data_free() calls token_destroy from the
-        # GTask's finalizer, and the worker thread usually drops the task's
-        # last reference, so the token callback's data (a JS closure in GJS,
-        # which crashes there) is released on the worker. PyGObject takes the
-        # GIL, so here it only shows as the thread the data dies on.
+        # The worker usually drops the task's last reference; the token
+        # callback's data (a JS closure in GJS, which must not be freed off
+        # its thread) is still released on the caller's thread.
         family = 'mixtral'
         model = load(family)
         main = threading.get_ident()
@@ -729,7 +722,11 @@ class ModelTest(unittest.TestCase):
                 return GLib.SOURCE_REMOVE
             GLib.idle_add(start)
             self.assertTrue(run_loop(loop))
-        time.sleep(0.2)
+        # the data is released by an idle on this thread's context
+        deadline = time.time() + 10
+        while len(released) < 20 and time.time() < deadline:
+            GLib.MainContext.default().iteration(False)
+            time.sleep(0.005)
         self.assertEqual(len(released), 20)
         self.assertEqual(set(released), {True})
 
