@@ -109,6 +109,8 @@ emit_now (gpointer data)
 {
   Emission *e = data;
 
+  moe_handoff_acquire (e);
+
   switch (e->what)
     {
     case SIGNAL_EXPERTS_IMPLEMENTATION_CHANGED:
@@ -130,6 +132,8 @@ emission_free (gpointer data)
 {
   Emission *e = data;
 
+  moe_handoff_acquire (e);
+
   g_object_unref (e->model);
   g_free (e->key);
   g_free (e->old_name);
@@ -147,6 +151,7 @@ run_on_context (GMainContext   *context,
 {
   GSource *source = g_idle_source_new ();
 
+  moe_handoff_release (data);
   g_source_set_priority (source, G_PRIORITY_DEFAULT);
   g_source_set_callback (source, func, data, destroy);
   g_source_set_static_name (source, "[libmoe] callback");
@@ -759,6 +764,7 @@ load_thread (GTask *task, gpointer source, gpointer task_data, GCancellable *can
   GError *error = NULL;
   MoeModel *model;
 
+  moe_handoff_acquire (d);
   /* the model belongs to the caller's context, not to this worker */
   model = load (d->path, d->options, cancellable, &error);
   if (model == NULL)
@@ -769,6 +775,7 @@ load_thread (GTask *task, gpointer source, gpointer task_data, GCancellable *can
   g_main_context_unref (model->owner_context);
   model->owner_context = g_main_context_ref (d->context);
   model->owner_thread = NULL;
+  moe_handoff_release (task);
   g_task_return_pointer (task, model, g_object_unref);
 }
 
@@ -801,6 +808,7 @@ moe_model_new_from_pretrained_async (const char          *path,
   d->options = options ? g_object_ref (options) : NULL;
   d->context = g_main_context_ref_thread_default ();
   g_task_set_task_data (task, d, load_data_free);
+  moe_handoff_release (d);
   g_task_run_in_thread (task, load_thread);
 }
 
@@ -819,6 +827,7 @@ moe_model_new_from_pretrained_finish (GAsyncResult  *result,
 
   g_return_val_if_fail (g_task_is_valid (result, NULL), NULL);
   g_return_val_if_fail (g_task_get_source_tag (G_TASK (result)) == moe_model_new_from_pretrained_async, NULL);
+  moe_handoff_acquire (result);
   model = g_task_propagate_pointer (G_TASK (result), error);
   /* _finish runs on the caller's thread: it owns the model from now on */
   if (model != NULL)
@@ -1038,6 +1047,8 @@ token_sink_destroy (gpointer p)
 {
   TokenSink *sink = p;
 
+  moe_handoff_acquire (sink);
+
   if (sink->destroy != NULL)
     sink->destroy (sink->data);
   g_object_unref (sink->model);
@@ -1051,8 +1062,10 @@ token_sink_destroy (gpointer p)
 static void
 token_sink_unref (TokenSink *sink)
 {
+  moe_handoff_release (sink);
   if (!g_atomic_ref_count_dec (&sink->ref))
     return;
+  moe_handoff_acquire (sink);
   if (g_main_context_is_owner (sink->context))
     token_sink_destroy (sink);
   else
@@ -1069,6 +1082,8 @@ token_call_run (gpointer p)
 {
   TokenCall *c = p;
 
+  moe_handoff_acquire (c);
+
   c->sink->callback (c->sink->model, c->tokens, c->sink->data);
   return G_SOURCE_REMOVE;
 }
@@ -1077,6 +1092,8 @@ static void
 token_call_free (gpointer p)
 {
   TokenCall *c = p;
+
+  moe_handoff_acquire (c);
 
   g_object_unref (c->tokens);
   token_sink_unref (c->sink);
@@ -1430,9 +1447,11 @@ generate_thread (GTask *task, gpointer source, gpointer task_data, GCancellable 
 {
   GenerateData *d = task_data;
   GError *error = NULL;
-  MoeTensor *out = generate (MOE_MODEL (source), d->input_ids, d->attention_mask, d->config,
-                             d->sink, cancellable, &error);
+  MoeTensor *out;
 
+  moe_handoff_acquire (d);
+  out = generate (MOE_MODEL (source), d->input_ids, d->attention_mask, d->config, d->sink, cancellable, &error);
+  moe_handoff_release (task);
   if (out == NULL)
     g_task_return_error (task, error);
   else
@@ -1489,6 +1508,7 @@ moe_model_generate_async (MoeModel            *self,
   d->sink->data = token_data;
   d->sink->destroy = token_destroy;
   g_task_set_task_data (task, d, generate_data_free);
+  moe_handoff_release (d);
   g_task_run_in_thread (task, generate_thread);
 }
 
@@ -1507,6 +1527,7 @@ moe_model_generate_finish (MoeModel      *self,
                            GError       **error)
 {
   g_return_val_if_fail (g_task_is_valid (result, self), NULL);
+  moe_handoff_acquire (result);
   return g_task_propagate_pointer (G_TASK (result), error);
 }
 

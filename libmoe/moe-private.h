@@ -17,9 +17,15 @@ void __tsan_acquire (void *addr);
 void __tsan_release (void *addr);
 # define moe_mutex_lock(m)   G_STMT_START { g_mutex_lock (m); __tsan_acquire (m); } G_STMT_END
 # define moe_mutex_unlock(m) G_STMT_START { __tsan_release (m); g_mutex_unlock (m); } G_STMT_END
+/* data handed to another thread through GLib (a GTask worker, an idle on
+ * another thread's context): released by the sender, acquired by the taker */
+# define moe_handoff_release(p) __tsan_release (p)
+# define moe_handoff_acquire(p) __tsan_acquire (p)
 #else
 # define moe_mutex_lock(m)   g_mutex_lock (m)
 # define moe_mutex_unlock(m) g_mutex_unlock (m)
+# define moe_handoff_release(p) ((void) (p))
+# define moe_handoff_acquire(p) ((void) (p))
 #endif
 
 gboolean _moe_shape_n_elements        (const gint64  *shape,

@@ -236,6 +236,12 @@ test_unref_while_async (void)
 static void
 test_out_of_memory (void)
 {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  /* sanitizers reserve terabytes of shadow address space: a cap on the
+   * address space means nothing there */
+  g_test_skip ("an address-space limit cannot be tested under a sanitizer");
+  return;
+#endif
   if (g_test_subprocess ())
     {
       g_autoptr(MoeModel) model = load ("qwen3_moe");
@@ -243,7 +249,8 @@ test_out_of_memory (void)
       g_autofree char *status = NULL;
       gint64 T = 400000, shape[2] = { 1, T };
       g_autofree gint64 *big = g_new0 (gint64, T);
-      g_autoptr(MoeTensor) ids = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, g_bytes_new (big, T * 8), NULL);
+      g_autoptr(GBytes) big_bytes = g_bytes_new (big, T * 8);
+      g_autoptr(MoeTensor) ids = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, big_bytes, NULL);
       g_autoptr(MoeTensor) small = reference ("qwen3_moe", "input_ids");
       g_autoptr(MoeTensor) ref = reference ("qwen3_moe", "logits");
       g_autoptr(MoeTensor) logits = NULL;
