@@ -45,6 +45,7 @@ check_dtype (const char *dtype, const char *generated_name, const char *logits_n
       g_autoptr(MoeTensor) out = NULL, logits = NULL, last = NULL;
       gint64 T = moe_tensor_get_dim (ids, 1), V = moe_model_get_vocab_size (model);
       gint64 shape[1] = { V };
+      g_autoptr(GBytes) last_bytes = NULL;
 
       g_assert_true (moe_model_set_experts_implementation (model, backends[i], &error));
       out = moe_model_generate (model, ids, cfg, NULL, &error);
@@ -55,9 +56,8 @@ check_dtype (const char *dtype, const char *generated_name, const char *logits_n
 
       logits = moe_model_forward (model, ids, &error);
       g_assert_no_error (error);
-      last = moe_tensor_new_from_bytes (MOE_DTYPE_F32, shape, 1,
-                                        g_bytes_new ((const float *) moe_tensor_get_data (logits) + (T - 1) * V,
-                                                     V * sizeof (float)), NULL);
+      last_bytes = g_bytes_new ((const float *) moe_tensor_get_data (logits) + (T - 1) * V, V * sizeof (float));
+      last = moe_tensor_new_from_bytes (MOE_DTYPE_F32, shape, 1, last_bytes, NULL);
       g_test_message ("%s %s: last-position logits rel err %.3g", dtype, backends[i],
                       moe_test_rel_error (last, last_ref));
       g_assert_cmpfloat (moe_test_rel_error (last, last_ref), <=, tolerance);

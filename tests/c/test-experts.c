@@ -211,8 +211,10 @@ test_int32_index (void)
   ids = g_new (gint32, n);
   for (gint64 i = 0; i < n; i++)
     ids[i] = (gint32) ((const gint64 *) moe_tensor_get_data (c.index))[i];
-  i32 = moe_tensor_new_from_bytes (MOE_DTYPE_I32, moe_tensor_get_shape (c.index, NULL), 2,
-                                   g_bytes_new_take (ids, n * sizeof (gint32)), NULL);
+  {
+    g_autoptr(GBytes) ib = g_bytes_new_take (ids, n * sizeof (gint32));
+    i32 = moe_tensor_new_from_bytes (MOE_DTYPE_I32, moe_tensor_get_shape (c.index, NULL), 2, ib, NULL);
+  }
   g_clear_object (&c.index);
   c.index = g_steal_pointer (&i32);
   out = run (&c, "grouped_mm");

@@ -501,7 +501,8 @@ static MoeTensor *
 ids_tensor (const gint64 *v, gint64 rows, gint64 cols)
 {
   gint64 shape[2] = { rows, cols };
-  return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, g_bytes_new (v, rows * cols * sizeof (gint64)), NULL);
+  g_autoptr(GBytes) bytes = g_bytes_new (v, rows * cols * sizeof (gint64));
+  return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, bytes, NULL);
 }
 
 /* a left-padded batch generates what each prompt generates alone */
@@ -683,7 +684,8 @@ test_forward_errors (void)
   {
     float f[3] = { 0, 1, 2 };
     gint64 shape[2] = { 1, 3 };
-    g_autoptr(MoeTensor) ft = moe_tensor_new_from_bytes (MOE_DTYPE_F32, shape, 2, g_bytes_new (f, sizeof f), NULL);
+    g_autoptr(GBytes) fb = g_bytes_new (f, sizeof f);
+    g_autoptr(MoeTensor) ft = moe_tensor_new_from_bytes (MOE_DTYPE_F32, shape, 2, fb, NULL);
     g_assert_null (moe_model_forward (model, ft, &error));
     g_assert_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH);
     g_clear_error (&error);
