@@ -320,8 +320,10 @@ run_experts_job (const char *path, GError **error)
       if (error != NULL && *error != NULL)
         return 1;
       hidden = moe_cpu_tensor_from_f32 (x, dtype, hs, 2, error);
-      index = moe_tensor_new_from_bytes (MOE_DTYPE_I64, ks, 2, g_bytes_new_take (g_steal_pointer (&ids), T * s.top_k * 8), error);
-      weights = moe_tensor_new_from_bytes (MOE_DTYPE_F32, ks, 2, g_bytes_new_take (g_steal_pointer (&w), T * s.top_k * 4), error);
+      g_autoptr(GBytes) ids_bytes = g_bytes_new_take (g_steal_pointer (&ids), T * s.top_k * 8);
+      g_autoptr(GBytes) w_bytes = g_bytes_new_take (g_steal_pointer (&w), T * s.top_k * 4);
+      index = moe_tensor_new_from_bytes (MOE_DTYPE_I64, ks, 2, ids_bytes, error);
+      weights = moe_tensor_new_from_bytes (MOE_DTYPE_F32, ks, 2, w_bytes, error);
       if (hidden == NULL || index == NULL || weights == NULL)
         return 1;
 
@@ -441,8 +443,10 @@ prompt_ids (gboolean byte_level, GError **error)
       return NULL;
     }
   shape[1] = ids->len;
-  return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2,
-                                    g_bytes_new (ids->data, ids->len * sizeof (gint64)), error);
+  {
+    g_autoptr(GBytes) bytes = g_bytes_new (ids->data, ids->len * sizeof (gint64));
+    return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, bytes, error);
+  }
 }
 
 typedef struct {

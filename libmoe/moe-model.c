@@ -1306,10 +1306,10 @@ generate_locked (MoeModel            *self,
         {
           gint64 shape[1] = { b->B };
           TokenCall *c = g_new0 (TokenCall, 1);
+          g_autoptr(GBytes) step_bytes = g_bytes_new ((const gint64 *) out->data + (gsize) step * b->B,
+                                                      b->B * sizeof (gint64));
           c->sink = token_sink_ref (sink);
-          c->tokens = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 1,
-                                                 g_bytes_new ((const gint64 *) out->data + (gsize) step * b->B,
-                                                              b->B * sizeof (gint64)), NULL);
+          c->tokens = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 1, step_bytes, NULL);
           run_on_context (sink->context, token_call_run, c, token_call_free);
         }
       if (all_done)
