@@ -5,6 +5,7 @@
 #include "config.h"
 
 #include <math.h>
+#include <string.h>
 #include <json-glib/json-glib.h>
 
 #include "moe-private.h"
@@ -96,6 +97,44 @@ config_new_for_node (JsonNode   *node,
   return self;
 }
 
+/* json-glib 1.6 accepts `{…} {…}`: it keeps the first value and drops the
+ * rest. A file with text after its top-level object is refused, as Python's
+ * json and the safetensors reference refuse it. Returns TRUE if @data is one
+ * JSON object (or not JSON at all: the parser reports that) and whitespace. */
+gboolean
+_moe_json_is_single_value (const char *data,
+                           gsize       length)
+{
+  gsize i = 0, depth = 0;
+  gboolean in_string = FALSE;
+
+  while (i < length && g_ascii_isspace (data[i]))
+    i++;
+  if (i == length || (data[i] != '{' && data[i] != '['))
+    return TRUE;
+  for (; i < length; i++)
+    {
+      char c = data[i];
+      if (in_string)
+        {
+          if (c == '\\')
+            i++;
+          else if (c == '"')
+            in_string = FALSE;
+        }
+      else if (c == '"')
+        in_string = TRUE;
+      else if (c == '{' || c == '[')
+        depth++;
+      else if ((c == '}' || c == ']') && --depth == 0)
+        break;
+    }
+  for (i++; i < length; i++)
+    if (!g_ascii_isspace (data[i]) && data[i] != '\0')
+      return FALSE;
+  return TRUE;
+}
+
 JsonObject *
 _moe_config_get_json_object (MoeConfig *self)
 {
@@ -132,6 +171,12 @@ moe_config_new_from_data (const char  *data,
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
                    "The config is not valid JSON: %s", local->message);
+      return NULL;
+    }
+  if (!_moe_json_is_single_value (data, length < 0 ? strlen (data) : (gsize) length))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
+                   "The config has more text after its JSON object");
       return NULL;
     }
   root = json_parser_get_root (parser);

@@ -4,6 +4,8 @@
  */
 #include "config.h"
 
+#include <math.h>
+
 #include <json-glib/json-glib.h>
 
 #include "moe-private.h"
@@ -226,22 +228,32 @@ moe_generation_config_new_from_file (const char  *path,
   if (json == NULL)
     return NULL;
   self = moe_generation_config_new ();
-  self->max_new_tokens = (guint) CLAMP (moe_config_get_int_or (json, "max_new_tokens", 20, &local), 0, G_MAXUINT);
-  if (local == NULL)
-    self->do_sample = moe_config_get_boolean_or (json, "do_sample", FALSE, &local);
-  if (local == NULL)
-    self->temperature = MAX (moe_config_get_double_or (json, "temperature", 1.0, &local), 1e-6);
-  if (local == NULL)
-    self->top_k = (guint) CLAMP (moe_config_get_int_or (json, "top_k", 50, &local), 0, G_MAXUINT);
-  if (local == NULL)
-    self->top_p = CLAMP (moe_config_get_double_or (json, "top_p", 1.0, &local), 0.0, 1.0);
-  if (local == NULL)
-    pad = moe_config_get_int_or (json, "pad_token_id", -1, &local);
-  if (local != NULL)
-    {
-      g_set_error (error, MOE_ERROR, local->code, "%s: %s", path, local->message);
-      return NULL;
-    }
+  {
+    /* read each once, then clamp into the properties' ranges */
+    gint64 max_new = 20, top_k = 50;
+    double temperature = 1.0, top_p = 1.0;
+
+    max_new = moe_config_get_int_or (json, "max_new_tokens", 20, &local);
+    if (local == NULL)
+      self->do_sample = moe_config_get_boolean_or (json, "do_sample", FALSE, &local);
+    if (local == NULL)
+      temperature = moe_config_get_double_or (json, "temperature", 1.0, &local);
+    if (local == NULL)
+      top_k = moe_config_get_int_or (json, "top_k", 50, &local);
+    if (local == NULL)
+      top_p = moe_config_get_double_or (json, "top_p", 1.0, &local);
+    if (local == NULL)
+      pad = moe_config_get_int_or (json, "pad_token_id", -1, &local);
+    if (local != NULL)
+      {
+        g_set_error (error, MOE_ERROR, local->code, "%s: %s", path, local->message);
+        return NULL;
+      }
+    self->max_new_tokens = (guint) CLAMP (max_new, 0, G_MAXUINT);
+    self->temperature = isnan (temperature) ? 1.0 : CLAMP (temperature, 1e-6, 1e6);
+    self->top_k = (guint) CLAMP (top_k, 0, G_MAXUINT);
+    self->top_p = isnan (top_p) ? 1.0 : CLAMP (top_p, 0.0, 1.0);
+  }
   self->pad_token_id = MAX (pad, -1);
 
   obj = _moe_config_get_json_object (json);

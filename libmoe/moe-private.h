@@ -51,6 +51,8 @@ gboolean    _moe_checkpoint_check_file  (const char  *dir,
                                          const char  *name,
                                          GError     **error);
 JsonObject *_moe_config_get_json_object (MoeConfig  *self);
+gboolean    _moe_json_is_single_value   (const char *data,
+                                         gsize       length);
 MoeConfig  *_moe_config_new_for_json    (JsonNode   *node,
                                          const char *name);
 

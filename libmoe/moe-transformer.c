@@ -367,8 +367,14 @@ layer_window (MoeTransformer *self, MoeConfig *c, guint i, GError **error)
   if (types != NULL && JSON_NODE_HOLDS_ARRAY (types))
     {
       JsonArray *a = json_node_get_array (types);
-      const char *t = i < json_array_get_length (a) ? json_array_get_string_element (a, i) : NULL;
-      return g_strcmp0 (t, "sliding_attention") == 0 ? (guint) window : 0;
+      JsonNode *t = i < json_array_get_length (a) ? json_array_get_element (a, i) : NULL;
+      if (t == NULL || !JSON_NODE_HOLDS_VALUE (t) || json_node_get_value_type (t) != G_TYPE_STRING)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
+                       "config: layer_types must list a string for each of the layers (layer %u)", i);
+          return 0;
+        }
+      return g_str_equal (json_node_get_string (t), "sliding_attention") ? (guint) window : 0;
     }
   if (!moe_config_get_boolean_or (c, "use_sliding_window", TRUE, NULL))
     return 0;
@@ -390,6 +396,8 @@ load_layer (MoeTransformer *self, MoeConfig *c, Loader *l, guint i, gboolean spa
   L->input_norm = load_f32 (l, N ("input_layernorm.weight"), TRUE, H);
   L->post_norm = load_f32 (l, N ("post_attention_layernorm.weight"), TRUE, H);
   L->window = layer_window (self, c, i, error);
+  if (*error != NULL)
+    return FALSE;
 
   if (self->family == FAMILY_DEEPSEEK_V3)
     {
