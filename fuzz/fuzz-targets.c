@@ -71,8 +71,8 @@ remove_scratch (void)
  *
  * - GLib 2.74's g_key_file_parse_value_as_string() sets its GError twice
  *   for a value with an invalid escape and then a backslash at its end
- *   ("Name=a\\;b\\"): g_key_file_get_string() warns "GError set over the
- *   top of a previous GError", whoever calls it. */
+ *   (a line "Name=a\;b\"): g_key_file_get_string() warns "GError set over
+ *   the top of a previous GError", whoever calls it. */
 static gboolean
 is_known_glib_bug (const GLogField *fields,
                    gsize            n_fields)
@@ -713,6 +713,23 @@ moe_fuzz_config (const guint8 *data,
 /* ------------------------------------------------------------------ */
 /* (d) a .plugin keyfile, and a registry scanning its directory         */
 
+/* GLib 2.74's g_key_file_get_locale_string() leaks the GError (102 bytes)
+ * that g_key_file_get_string() sets, beside the value it still returns, for
+ * an invalid escape in the untranslated value ("Description=a\;b"). TRUE
+ * if @text has an escape other than \s \n \t \r and a doubled backslash,
+ * so that LeakSanitizer looks away for that input. */
+static gboolean
+keyfile_has_invalid_escape (const guint8 *text,
+                            gsize         len)
+{
+  for (gsize i = 0; i < len; i++)
+    if (text[i] == '\\' && (i + 1 == len || strchr ("sntr\\", text[i + 1]) == NULL || text[i + 1] == '\0'))
+      return TRUE;
+    else if (text[i] == '\\')
+      i++;
+  return FALSE;
+}
+
 /* A good keyfile beside the input (sorted first): the registry has a
  * plugin to compare with, and a name for the input to shadow. */
 static const char good_keyfile[] =
@@ -784,6 +801,7 @@ moe_fuzz_plugin (const guint8 *data,
   static char *dir, *path;
   g_autoptr(GError) error = NULL;
   g_autoptr(MoePluginInfo) info = NULL;
+  gboolean leaks;
 
   moe_fuzz_setup ();
   if (dir == NULL)
@@ -796,6 +814,8 @@ moe_fuzz_plugin (const guint8 *data,
     }
   write_file (path, data, size);
 
+  leaks = keyfile_has_invalid_escape (data, size);
+  ignore_leaks_if (leaks, TRUE);
   info = moe_plugin_info_new_from_file (path, &error);
   if (info == NULL)
     {
@@ -829,6 +849,7 @@ moe_fuzz_plugin (const guint8 *data,
     }
 
   exercise_registry (dir);
+  ignore_leaks_if (leaks, FALSE);
   return 0;
 }
 

@@ -43,6 +43,17 @@ typedef struct
   char                *path;
 } Case;
 
+static GPtrArray *cases;   /* Case*, freed after the run (LeakSanitizer builds) */
+
+static void
+case_free (gpointer p)
+{
+  Case *c = p;
+
+  g_free (c->path);
+  g_free (c);
+}
+
 static void
 limit_memory (void)
 {
@@ -118,7 +129,8 @@ add_case (const char          *kind,
   test_path = g_strdup_printf ("/%s/%s/%s", kind, target->name, base);
   c->target = target;
   c->path = g_strdup (path);
-  g_test_add_data_func_full (test_path, c, replay, NULL);
+  g_ptr_array_add (cases, c);
+  g_test_add_data_func (test_path, c, replay);
 }
 
 /* Adds a case per regular file in @dir (sorted; dot files and README*
@@ -159,8 +171,10 @@ main (int    argc,
   const char *regressions = g_getenv ("MOE_FUZZ_REGRESSIONS");
   const char *corpus = g_getenv ("MOE_FUZZ_CORPUS");
   guint n = 0;
+  int status;
 
   g_test_init (&argc, &argv, NULL);
+  cases = g_ptr_array_new_with_free_func (case_free);
   /* every case runs and reports, even after one failed (in the parent:
    * the targets' own assertions stay fatal in the subprocesses) */
   if (!g_test_subprocess ())
@@ -184,7 +198,10 @@ main (int    argc,
   if (n == 0)
     {
       g_printerr ("no inputs found: set MOE_FUZZ_REGRESSIONS and MOE_FUZZ_CORPUS (meson test does)\n");
+      g_ptr_array_unref (cases);
       return 1;
     }
-  return g_test_run ();
+  status = g_test_run ();
+  g_ptr_array_unref (cases);
+  return status;
 }
