@@ -268,11 +268,12 @@ open_shard (MoeCheckpoint  *self,
   shard->data_start = 8 + header_len;
   data_size = size - shard->data_start;
 
+  /* checked before parsing: json-glib would parse and leak the extra values */
+  if (!_moe_json_is_single_value ((const char *) data + 8, header_len))
+    return bad (error, path, "the header has more text after its JSON object"), NULL;
   parser = new_parser (&seen);
   if (!json_parser_load_from_data (parser, (const char *) data + 8, (gssize) header_len, &local))
     return bad (error, path, "the header is not valid JSON: %s", local->message), NULL;
-  if (!_moe_json_is_single_value ((const char *) data + 8, header_len))
-    return bad (error, path, "the header has more text after its JSON object"), NULL;
   if (g_object_get_data (G_OBJECT (parser), "moe-duplicate") != NULL)
     return bad (error, path, "the header names “%s” twice",
                 (const char *) g_object_get_data (G_OBJECT (parser), "moe-duplicate")), NULL;
@@ -370,11 +371,13 @@ open_index (MoeCheckpoint  *self,
     g_autoptr(GMappedFile) mapped = g_mapped_file_new (index_path, FALSE, &local);
     if (mapped == NULL)
       return bad (error, index_path, "cannot be read: %s", local->message);
+    if (g_mapped_file_get_length (mapped) == 0)
+      return bad (error, index_path, "is empty");
+    if (!_moe_json_is_single_value (g_mapped_file_get_contents (mapped), g_mapped_file_get_length (mapped)))
+      return bad (error, index_path, "has more text after its JSON object");
     if (!json_parser_load_from_data (parser, g_mapped_file_get_contents (mapped),
                                      (gssize) g_mapped_file_get_length (mapped), &local))
       return bad (error, index_path, "not valid JSON: %s", local->message);
-    if (!_moe_json_is_single_value (g_mapped_file_get_contents (mapped), g_mapped_file_get_length (mapped)))
-      return bad (error, index_path, "has more text after its JSON object");
   }
   if (g_object_get_data (G_OBJECT (parser), "moe-duplicate") != NULL)
     return bad (error, index_path, "“%s” appears twice",

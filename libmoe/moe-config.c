@@ -167,16 +167,17 @@ moe_config_new_from_data (const char  *data,
 
   g_return_val_if_fail (data != NULL, NULL);
 
-  if (!json_parser_load_from_data (parser, data, length, &local))
-    {
-      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
-                   "The config is not valid JSON: %s", local->message);
-      return NULL;
-    }
+  /* checked before parsing: json-glib would parse and leak the extra values */
   if (!_moe_json_is_single_value (data, length < 0 ? strlen (data) : (gsize) length))
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
                    "The config has more text after its JSON object");
+      return NULL;
+    }
+  if (!json_parser_load_from_data (parser, data, length, &local))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
+                   "The config is not valid JSON: %s", local->message);
       return NULL;
     }
   root = json_parser_get_root (parser);

@@ -584,11 +584,16 @@ _moe_transformer_new (MoeConfig      *top,
   INT ("num_hidden_layers", 1, self->layers);
   INT ("num_attention_heads", 1, self->heads);
   INT ("vocab_size", 1, self->vocab);
-  self->kv_heads = moe_config_get_int_or (c, "num_key_value_heads", self->heads, &local);
-  self->head_dim = moe_config_get_int_or (c, "head_dim", self->hidden / self->heads, &local);
-  self->eps = moe_config_get_double_or (c, "rms_norm_eps", 1e-6, &local);
-  self->act = moe_config_dup_string_or (c, "hidden_act", "silu", &local);
-  self->num_experts = first_int (c, experts_keys, -1, &local);
+  if (local == NULL)
+    self->kv_heads = moe_config_get_int_or (c, "num_key_value_heads", self->heads, &local);
+  if (local == NULL)
+    self->head_dim = moe_config_get_int_or (c, "head_dim", self->hidden / self->heads, &local);
+  if (local == NULL)
+    self->eps = moe_config_get_double_or (c, "rms_norm_eps", 1e-6, &local);
+  if (local == NULL)
+    self->act = moe_config_dup_string_or (c, "hidden_act", "silu", &local);
+  if (local == NULL)
+    self->num_experts = first_int (c, experts_keys, -1, &local);
   if (local == NULL)
     self->top_k = first_int (c, topk_keys, -1, &local);
   if (local != NULL)
@@ -646,12 +651,17 @@ _moe_transformer_new (MoeConfig      *top,
   self->v_head_dim = self->head_dim;
   self->rope_dim = self->head_dim;
   self->router_kind = ROUTER_SOFTMAX_TOPK;
-  self->norm_topk = moe_config_get_boolean_or (c, "norm_topk_prob", FALSE, &local);
+  if (local == NULL)
+    self->norm_topk = moe_config_get_boolean_or (c, "norm_topk_prob", FALSE, &local);
   self->weights_in_act_dtype = TRUE;
-  dense_inter = moe_config_get_int_or (c, "intermediate_size", 0, &local);
-  moe_inter = moe_config_get_int_or (c, "moe_intermediate_size", dense_inter, &local);
-  mlp_only = moe_config_get_int_array (c, "mlp_only_layers", &local);
-  sparse_step = moe_config_get_int_or (c, "decoder_sparse_step", 1, &local);
+  if (local == NULL)
+    dense_inter = moe_config_get_int_or (c, "intermediate_size", 0, &local);
+  if (local == NULL)
+    moe_inter = moe_config_get_int_or (c, "moe_intermediate_size", dense_inter, &local);
+  if (local == NULL)
+    mlp_only = moe_config_get_int_array (c, "mlp_only_layers", &local);
+  if (local == NULL)
+    sparse_step = moe_config_get_int_or (c, "decoder_sparse_step", 1, &local);
   if (local != NULL)
     goto fail_local;
 
@@ -659,7 +669,8 @@ _moe_transformer_new (MoeConfig      *top,
     {
     case FAMILY_QWEN2_MOE:
       self->has_shared = self->shared_gated = TRUE;
-      shared_inter = moe_config_get_int (c, "shared_expert_intermediate_size", &local);
+      if (local == NULL)
+        shared_inter = moe_config_get_int (c, "shared_expert_intermediate_size", &local);
       break;
     case FAMILY_QWEN3_MOE:
       self->qk_norm = QK_NORM_PER_HEAD;
@@ -674,18 +685,25 @@ _moe_transformer_new (MoeConfig      *top,
       break;
     case FAMILY_OLMOE:
       self->qk_norm = QK_NORM_FULL;
-      self->clip_qkv = moe_config_get_double_or (c, "clip_qkv", 0, &local);
+      if (local == NULL)
+        self->clip_qkv = moe_config_get_double_or (c, "clip_qkv", 0, &local);
       break;
     case FAMILY_DEEPSEEK_V3:
       self->router_kind = ROUTER_SIGMOID_GROUPED;
       self->weights_in_act_dtype = FALSE;
       self->has_shared = TRUE;
-      self->routed_scale = moe_config_get_double_or (c, "routed_scaling_factor", 1.0, &local);
-      self->n_group = moe_config_get_int_or (c, "n_group", 1, &local);
-      self->topk_group = moe_config_get_int_or (c, "topk_group", 1, &local);
-      shared_inter = moe_inter * moe_config_get_int_or (c, "n_shared_experts", 1, &local);
-      first_dense = moe_config_get_int_or (c, "first_k_dense_replace", 0, &local);
-      self->q_lora = moe_config_get_int_or (c, "q_lora_rank", 0, &local);
+      if (local == NULL)
+        self->routed_scale = moe_config_get_double_or (c, "routed_scaling_factor", 1.0, &local);
+      if (local == NULL)
+        self->n_group = moe_config_get_int_or (c, "n_group", 1, &local);
+      if (local == NULL)
+        self->topk_group = moe_config_get_int_or (c, "topk_group", 1, &local);
+      if (local == NULL)
+        shared_inter = moe_inter * moe_config_get_int_or (c, "n_shared_experts", 1, &local);
+      if (local == NULL)
+        first_dense = moe_config_get_int_or (c, "first_k_dense_replace", 0, &local);
+      if (local == NULL)
+        self->q_lora = moe_config_get_int_or (c, "q_lora_rank", 0, &local);
       if (local == NULL)
         INT ("kv_lora_rank", 1, self->kv_lora);
       if (local == NULL)
@@ -694,7 +712,8 @@ _moe_transformer_new (MoeConfig      *top,
         INT ("qk_rope_head_dim", 2, self->rope_dim);
       if (local == NULL)
         INT ("v_head_dim", 1, self->v_head_dim);
-      self->rope_interleaved = moe_config_get_boolean_or (c, "rope_interleave", TRUE, &local);
+      if (local == NULL)
+        self->rope_interleaved = moe_config_get_boolean_or (c, "rope_interleave", TRUE, &local);
       self->kv_heads = self->heads;
       self->head_dim = self->nope_dim + self->rope_dim;
       if (self->n_group == 0 || self->num_experts % self->n_group != 0 || self->topk_group > self->n_group ||
