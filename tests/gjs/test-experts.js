@@ -12,61 +12,17 @@
 import GLib from 'gi://GLib';
 import Gio from 'gi://Gio';
 import Moe from 'gi://Moe?version=1';
-import System from 'system';
+import {test, run, assert, assertEqual, assertArrayEqual, assertLessEqual, assertMoeError,
+    testData, typedView, bytesOf, relErr as relErrOf} from './harness.js';
 
 const BACKENDS = ['batched_mm', 'eager', 'grouped_mm'];
 const F32_TOL = 1e-5;
 const BF16_TOL = 2e-2;
 
-/* --- a small test harness ------------------------------------------------ */
-
-const tests = [];
-function test(name, fn) {
-    tests.push([name, fn]);
-}
-
-function assert(cond, msg) {
-    if (!cond)
-        throw new Error(`assertion failed: ${msg}`);
-}
-
-function assertEqual(got, want, msg) {
-    if (got !== want)
-        throw new Error(`${msg}: got ${got}, want ${want}`);
-}
-
-function assertArrayEqual(got, want, msg) {
-    assertEqual(JSON.stringify(Array.from(got)), JSON.stringify(Array.from(want)), msg);
-}
-
-function assertLessEqual(got, bound, msg) {
-    if (!(got <= bound))
-        throw new Error(`${msg}: ${got} is not <= ${bound}`);
-}
-
-// Runs fn, which must throw a GLib.Error in the Moe.Error domain with code.
-function assertMoeError(fn, code, msg) {
-    try {
-        fn();
-    } catch (e) {
-        if (!(e instanceof GLib.Error))
-            throw new Error(`${msg}: expected a GLib.Error, got ${e}`);
-        if (!e.matches(Moe.Error, code))
-            throw new Error(`${msg}: expected Moe.Error code ${code}, got domain ${e.domain} code ${e.code}: ${e.message}`);
-        return e;
-    }
-    throw new Error(`${msg}: no error was thrown`);
-}
-
 /* --- helpers -------------------------------------------------------------- */
 
 function dataDir() {
-    let dir = GLib.getenv('MOE_TEST_DATA');
-    if (!dir) {
-        const here = GLib.path_get_dirname(GLib.filename_from_uri(import.meta.url)[0]);
-        dir = GLib.build_filenamev([here, '..', 'data']);
-    }
-    return GLib.build_filenamev([dir, 'experts']);
+    return testData('experts');
 }
 
 function listFixtures() {
@@ -87,23 +43,11 @@ function basename(path) {
     return GLib.path_get_basename(path);
 }
 
-// A typed array over a GLib.Bytes' data, copied if it is not aligned.
-function typedView(bytes, Type) {
-    let u8 = bytes.get_data();
-    if (u8.byteOffset % Type.BYTES_PER_ELEMENT !== 0)
-        u8 = u8.slice();
-    return new Type(u8.buffer, u8.byteOffset, u8.length / Type.BYTES_PER_ELEMENT);
-}
-
 // The tensor's elements as numbers (F64 read exactly, the rest via F32).
 function values(tensor) {
     if (tensor.get_dtype() === Moe.DType.F64)
         return typedView(tensor.dup_bytes(), Float64Array);
     return typedView(tensor.to_f32_bytes(), Float32Array);
-}
-
-function bytesOf(typedArray) {
-    return new GLib.Bytes(new Uint8Array(typedArray.buffer, typedArray.byteOffset, typedArray.byteLength));
 }
 
 function i64Tensor(shape, ids) {
@@ -113,15 +57,7 @@ function i64Tensor(shape, ids) {
 
 // ||got - ref|| / ||ref||
 function relErr(got, ref) {
-    assertEqual(got.length, ref.length, 'element count');
-    let num = 0, den = 0;
-    for (let i = 0; i < ref.length; i++) {
-        const d = got[i] - ref[i];
-        num += d * d;
-        den += ref[i] * ref[i];
-    }
-    assert(den > 0, 'reference output is not all zeros');
-    return Math.sqrt(num / den);
+    return relErrOf(got, ref, 'reference output');
 }
 
 function flag(md, key) {
@@ -330,20 +266,4 @@ test('an unknown activation', () => {
 
 /* --- run ------------------------------------------------------------------- */
 
-let failed = 0;
-print(`1..${tests.length}`);
-tests.forEach(([name, fn], i) => {
-    try {
-        fn();
-        print(`ok ${i + 1} - ${name}`);
-    } catch (e) {
-        failed++;
-        print(`not ok ${i + 1} - ${name}`);
-        for (const line of `${e}\n${e.stack ?? ''}`.split('\n'))
-            print(`# ${line}`);
-    }
-});
-if (failed > 0) {
-    printerr(`${failed} of ${tests.length} tests failed`);
-    System.exit(1);
-}
+run();

@@ -17,71 +17,16 @@
 import GLib from 'gi://GLib';
 import Gio from 'gi://Gio';
 import Moe from 'gi://Moe?version=1';
-import System from 'system';
+import {test, run, assert, assertEqual, assertJsonEqual as assertDeepEqual,
+    modelDir, typedView, ints, rows, i64Tensor, greedy} from './harness.js';
 
 const FAMILY = 'mixtral';
 const LOOP_TIMEOUT_S = 60;
 
-/* --- a small test harness ------------------------------------------------ */
-
-const tests = [];
-function test(name, fn) {
-    tests.push([name, fn]);
-}
-
-function assert(cond, msg) {
-    if (!cond)
-        throw new Error(`assertion failed: ${msg}`);
-}
-
-function assertEqual(got, want, msg) {
-    if (got !== want)
-        throw new Error(`${msg}: got ${got}, want ${want}`);
-}
-
-function assertDeepEqual(got, want, msg) {
-    const g = JSON.stringify(got), w = JSON.stringify(want);
-    if (g !== w)
-        throw new Error(`${msg}: got ${g}, want ${w}`);
-}
-
 /* --- helpers -------------------------------------------------------------- */
-
-function modelDir(family) {
-    let dir = GLib.getenv('MOE_TEST_DATA');
-    if (!dir) {
-        const here = GLib.path_get_dirname(GLib.filename_from_uri(import.meta.url)[0]);
-        dir = GLib.build_filenamev([here, '..', 'data']);
-    }
-    return GLib.build_filenamev([dir, 'models', family]);
-}
 
 function reference(family, name) {
     return Moe.Checkpoint.open(GLib.build_filenamev([modelDir(family), 'reference.safetensors'])).get_tensor(name);
-}
-
-function typedView(bytes, Type) {
-    let u8 = bytes.get_data();
-    if (u8.byteOffset % Type.BYTES_PER_ELEMENT !== 0)
-        u8 = u8.slice();
-    return new Type(u8.buffer, u8.byteOffset, u8.length / Type.BYTES_PER_ELEMENT);
-}
-
-function ints(tensor) {
-    assertEqual(tensor.get_dtype(), Moe.DType.I64, 'token ids are I64');
-    return Array.from(typedView(tensor.dup_bytes(), BigInt64Array), Number);
-}
-
-function rows(tensor) {
-    const [B, L] = tensor.get_shape();
-    const flat = ints(tensor);
-    return Array.from({length: B}, (_, i) => flat.slice(i * L, (i + 1) * L));
-}
-
-function i64Tensor(rows_) {
-    const flat = BigInt64Array.from(rows_.flat(), x => BigInt(x));
-    return Moe.Tensor.new_from_bytes(Moe.DType.I64, [rows_.length, rows_[0].length],
-        new GLib.Bytes(new Uint8Array(flat.buffer)));
 }
 
 function relErr(got, ref) {
@@ -91,10 +36,6 @@ function relErr(got, ref) {
         den += ref[i] ** 2;
     }
     return Math.sqrt(num / den);
-}
-
-function greedy(n) {
-    return new Moe.GenerationConfig({max_new_tokens: n, do_sample: false});
 }
 
 function load(family, backend = 'grouped_mm') {
@@ -276,20 +217,4 @@ test('new_from_pretrained_async on the main loop', () => {
 
 /* --- run ------------------------------------------------------------------- */
 
-let failed = 0;
-print(`1..${tests.length}`);
-tests.forEach(([name, fn], i) => {
-    try {
-        fn();
-        print(`ok ${i + 1} - ${name}`);
-    } catch (e) {
-        failed++;
-        print(`not ok ${i + 1} - ${name}`);
-        for (const line of `${e}\n${e.stack ?? ''}`.split('\n'))
-            print(`# ${line}`);
-    }
-});
-if (failed > 0) {
-    printerr(`${failed} of ${tests.length} tests failed`);
-    System.exit(1);
-}
+run();

@@ -13,7 +13,8 @@
 
 import GLib from 'gi://GLib';
 import Moe from 'gi://Moe?version=1';
-import System from 'system';
+import {test, run, assert, assertEqual, assertDeepEqual, assertLessEqual, assertMoeError,
+    modelDir, typedView, rows, i64Tensor, relErr, greedy} from './harness.js';
 
 const FAMILIES = ['deepseek_v3', 'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe', 'qwen3_vl_moe'];
 const BACKENDS = ['eager', 'batched_mm', 'grouped_mm'];
@@ -21,72 +22,7 @@ const F32_TOL = 1e-4;
 // the map qwen3_vl_moe's reference.json recorded get_experts_implementation() for
 const VL_MAP = {'': 'grouped_mm', 'text_config': 'grouped_mm', 'vision_config': 'eager'};
 
-/* --- a small test harness ------------------------------------------------ */
-
-const tests = [];
-function test(name, fn) {
-    tests.push([name, fn]);
-}
-
-function assert(cond, msg) {
-    if (!cond)
-        throw new Error(`assertion failed: ${msg}`);
-}
-
-function assertEqual(got, want, msg) {
-    if (got !== want)
-        throw new Error(`${msg}: got ${got}, want ${want}`);
-}
-
-// Deep equality through JSON, object keys sorted (hash tables come back in
-// no particular order).
-function canonical(v) {
-    if (Array.isArray(v) || ArrayBuffer.isView(v))
-        return Array.from(v, canonical);
-    if (v !== null && typeof v === 'object')
-        return Object.fromEntries(Object.keys(v).sort().map(k => [k, canonical(v[k])]));
-    return v;
-}
-
-function assertDeepEqual(got, want, msg) {
-    const g = JSON.stringify(canonical(got)), w = JSON.stringify(canonical(want));
-    if (g !== w)
-        throw new Error(`${msg}: got ${g}, want ${w}`);
-}
-
-function assertLessEqual(got, bound, msg) {
-    if (!(got <= bound))
-        throw new Error(`${msg}: ${got} is not <= ${bound}`);
-}
-
-// Runs fn, which must throw a GLib.Error in the Moe.Error domain with code.
-function assertMoeError(fn, code, msg) {
-    try {
-        fn();
-    } catch (e) {
-        if (!(e instanceof GLib.Error))
-            throw new Error(`${msg}: expected a GLib.Error, got ${e}`);
-        if (!e.matches(Moe.Error, code))
-            throw new Error(`${msg}: expected Moe.Error code ${code}, got domain ${e.domain} code ${e.code}: ${e.message}`);
-        return e;
-    }
-    throw new Error(`${msg}: no error was thrown`);
-}
-
 /* --- helpers -------------------------------------------------------------- */
-
-function dataDir() {
-    let dir = GLib.getenv('MOE_TEST_DATA');
-    if (!dir) {
-        const here = GLib.path_get_dirname(GLib.filename_from_uri(import.meta.url)[0]);
-        dir = GLib.build_filenamev([here, '..', 'data']);
-    }
-    return GLib.build_filenamev([dir, 'models']);
-}
-
-function modelDir(family) {
-    return GLib.build_filenamev([dataDir(), family]);
-}
 
 const refs = new Map();
 function reference(family, name, file = 'reference.safetensors') {
@@ -101,43 +37,8 @@ function referenceJson(family) {
     return JSON.parse(new TextDecoder().decode(bytes));
 }
 
-// A typed array over a GLib.Bytes' data, copied if it is not aligned.
-function typedView(bytes, Type) {
-    let u8 = bytes.get_data();
-    if (u8.byteOffset % Type.BYTES_PER_ELEMENT !== 0)
-        u8 = u8.slice();
-    return new Type(u8.buffer, u8.byteOffset, u8.length / Type.BYTES_PER_ELEMENT);
-}
-
 function floats(tensor) {
     return typedView(tensor.to_f32_bytes(), Float32Array);
-}
-
-// A [B, L] I64 tensor as B arrays of numbers.
-function rows(tensor) {
-    assertEqual(tensor.get_dtype(), Moe.DType.I64, 'token ids are I64');
-    const [B, L] = tensor.get_shape();
-    const flat = Array.from(typedView(tensor.dup_bytes(), BigInt64Array), Number);
-    return Array.from({length: B}, (_, i) => flat.slice(i * L, (i + 1) * L));
-}
-
-function i64Tensor(rows_) {
-    const flat = BigInt64Array.from(rows_.flat(), x => BigInt(x));
-    return Moe.Tensor.new_from_bytes(Moe.DType.I64, [rows_.length, rows_[0].length],
-        new GLib.Bytes(new Uint8Array(flat.buffer)));
-}
-
-// ||got - ref|| / ||ref||
-function relErr(got, ref) {
-    assertEqual(got.length, ref.length, 'element count');
-    let num = 0, den = 0;
-    for (let i = 0; i < ref.length; i++) {
-        const d = got[i] - ref[i];
-        num += d * d;
-        den += ref[i] * ref[i];
-    }
-    assert(den > 0, 'reference is not all zeros');
-    return Math.sqrt(num / den);
 }
 
 function prompt(family) {
@@ -146,10 +47,6 @@ function prompt(family) {
 
 function expected(family) {
     return rows(reference(family, 'generated'))[0];
-}
-
-function greedy(n) {
-    return new Moe.GenerationConfig({max_new_tokens: n, do_sample: false});
 }
 
 function load(family, backend = null, map = null) {
@@ -335,20 +232,4 @@ test('phase-changed and the decode switch', () => {
 
 /* --- run ------------------------------------------------------------------- */
 
-let failed = 0;
-print(`1..${tests.length}`);
-tests.forEach(([name, fn], i) => {
-    try {
-        fn();
-        print(`ok ${i + 1} - ${name}`);
-    } catch (e) {
-        failed++;
-        print(`not ok ${i + 1} - ${name}`);
-        for (const line of `${e}\n${e.stack ?? ''}`.split('\n'))
-            print(`# ${line}`);
-    }
-});
-if (failed > 0) {
-    printerr(`${failed} of ${tests.length} tests failed`);
-    System.exit(1);
-}
+run();

@@ -9,61 +9,13 @@
 import GLib from 'gi://GLib';
 import Moe from 'gi://Moe?version=1';
 import System from 'system';
-
-/* --- a small test harness ------------------------------------------------ */
-
-const tests = [];
-function test(name, fn) {
-    tests.push([name, fn]);
-}
-
-function assert(cond, msg) {
-    if (!cond)
-        throw new Error(`assertion failed: ${msg}`);
-}
-
-function assertEqual(got, want, msg) {
-    if (got !== want)
-        throw new Error(`${msg}: got ${got}, want ${want}`);
-}
-
-function assertArrayEqual(got, want, msg) {
-    assertEqual(JSON.stringify(Array.from(got)), JSON.stringify(Array.from(want)), msg);
-}
-
-function assertMoeError(fn, code, msg) {
-    try {
-        fn();
-    } catch (e) {
-        if (!(e instanceof GLib.Error))
-            throw new Error(`${msg}: expected a GLib.Error, got ${e}`);
-        if (!e.matches(Moe.Error, code))
-            throw new Error(`${msg}: expected Moe.Error code ${code}, got domain ${e.domain} code ${e.code}: ${e.message}`);
-        return e;
-    }
-    throw new Error(`${msg}: no error was thrown`);
-}
+import {test, run, assert, assertEqual, assertArrayEqual, assertMoeError,
+    testData, typedView, bytesOf} from './harness.js';
 
 /* --- helpers -------------------------------------------------------------- */
 
 function fixture(name) {
-    let dir = GLib.getenv('MOE_TEST_DATA');
-    if (!dir) {
-        const here = GLib.path_get_dirname(GLib.filename_from_uri(import.meta.url)[0]);
-        dir = GLib.build_filenamev([here, '..', 'data']);
-    }
-    return GLib.build_filenamev([dir, 'experts', name]);
-}
-
-function typedView(bytes, Type) {
-    let u8 = bytes.get_data();
-    if (u8.byteOffset % Type.BYTES_PER_ELEMENT !== 0)
-        u8 = u8.slice();
-    return new Type(u8.buffer, u8.byteOffset, u8.length / Type.BYTES_PER_ELEMENT);
-}
-
-function bytesOf(typedArray) {
-    return new GLib.Bytes(new Uint8Array(typedArray.buffer, typedArray.byteOffset, typedArray.byteLength));
+    return testData('experts', name);
 }
 
 /* --- tests ----------------------------------------------------------------- */
@@ -203,20 +155,4 @@ test('registry backends', () => {
 
 /* --- run ------------------------------------------------------------------- */
 
-let failed = 0;
-print(`1..${tests.length}`);
-tests.forEach(([name, fn], i) => {
-    try {
-        fn();
-        print(`ok ${i + 1} - ${name}`);
-    } catch (e) {
-        failed++;
-        print(`not ok ${i + 1} - ${name}`);
-        for (const line of `${e}\n${e.stack ?? ''}`.split('\n'))
-            print(`# ${line}`);
-    }
-});
-if (failed > 0) {
-    printerr(`${failed} of ${tests.length} tests failed`);
-    System.exit(1);
-}
+run();
