@@ -237,3 +237,70 @@ moe_device_get_for_name (const char  *name,
     return moe_device_get_cpu ();
   return moe_plugin_registry_get_device (moe_plugin_registry_get_default (), name, error);
 }
+
+/**
+ * moe_device_supports_experts: (skip)
+ * @self: a device
+ * @schedule: how the backend orders the experts' products
+ * @experts: validated experts whose weights live on @self
+ * @error: return location for a #GError saying why not
+ *
+ * For backend plugins: whether @self runs @experts with @schedule. The CPU
+ * device says %TRUE: the backends carry their own CPU code.
+ *
+ * Returns: %TRUE if supported
+ */
+gboolean
+moe_device_supports_experts (MoeDevice           *self,
+                             MoeExpertsSchedule   schedule,
+                             MoeExperts          *experts,
+                             GError             **error)
+{
+  MoeDeviceClass *klass;
+
+  g_return_val_if_fail (MOE_IS_DEVICE (self), FALSE);
+  g_return_val_if_fail (MOE_IS_EXPERTS (experts), FALSE);
+
+  if (moe_device_is_cpu (self))
+    return TRUE;
+  klass = MOE_DEVICE_GET_CLASS (self);
+  if (klass->supports_experts == NULL || klass->run_experts == NULL)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "The device “%s” runs no experts backends", moe_device_get_name (self));
+      return FALSE;
+    }
+  return klass->supports_experts (self, schedule, experts, error);
+}
+
+/**
+ * moe_device_run_experts: (skip)
+ * @self: a device other than the CPU
+ * @schedule: how to order the experts' products
+ * @experts: the experts, on @self
+ * @hidden_states: `[T, H]` on @self
+ * @top_k_index: `[T, K]` I64 ids, on @self or on the CPU, already checked
+ * @top_k_weights: `[T, K]` on @self
+ * @error: return location for a #GError
+ *
+ * For backend plugins: runs @experts on the device with @schedule, after
+ * moe_device_supports_experts() said %TRUE.
+ *
+ * Returns: (transfer full): `[T, H]` on @self, or %NULL with @error set
+ */
+MoeTensor *
+moe_device_run_experts (MoeDevice           *self,
+                        MoeExpertsSchedule   schedule,
+                        MoeExperts          *experts,
+                        MoeTensor           *hidden_states,
+                        MoeTensor           *top_k_index,
+                        MoeTensor           *top_k_weights,
+                        GError             **error)
+{
+  g_return_val_if_fail (MOE_IS_DEVICE (self), NULL);
+  g_return_val_if_fail (!moe_device_is_cpu (self), NULL);
+  g_return_val_if_fail (MOE_DEVICE_GET_CLASS (self)->run_experts != NULL, NULL);
+
+  return MOE_DEVICE_GET_CLASS (self)->run_experts (self, schedule, experts, hidden_states,
+                                                   top_k_index, top_k_weights, error);
+}

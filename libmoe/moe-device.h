@@ -27,6 +27,11 @@ G_DECLARE_DERIVABLE_TYPE (MoeDevice, moe_device, MOE, DEVICE, GObject)
  * @copy_from_host: copy @size bytes from host memory to device memory
  * @copy_to_host: copy @size bytes from device memory to host memory
  * @synchronize: wait until all queued work on the device is done
+ * @supports_experts: whether the device can run @experts with @schedule;
+ *   on %FALSE set @error to say why
+ * @run_experts: run @experts on already-validated inputs living on the
+ *   device (see [vfunc@ExpertsBackend.forward]); the result stays on the
+ *   device and may still be computing when this returns
  *
  * The virtual methods a device implements. The CPU device lives in the core;
  * other devices come from plugins.
@@ -52,9 +57,20 @@ struct _MoeDeviceClass
                               GError       **error);
   gboolean (*synchronize)    (MoeDevice     *self,
                               GError       **error);
+  gboolean (*supports_experts) (MoeDevice          *self,
+                                MoeExpertsSchedule  schedule,
+                                MoeExperts         *experts,
+                                GError            **error);
+  MoeTensor *(*run_experts)  (MoeDevice          *self,
+                              MoeExpertsSchedule  schedule,
+                              MoeExperts         *experts,
+                              MoeTensor          *hidden_states,
+                              MoeTensor          *top_k_index,
+                              MoeTensor          *top_k_weights,
+                              GError            **error);
 
   /*< private >*/
-  gpointer _reserved[8];
+  gpointer _reserved[6];
 };
 
 MOE_AVAILABLE_IN_ALL

@@ -492,9 +492,10 @@ _moe_plugin_info_load (MoePluginInfo  *self,
    * state, must outlive every object. */
   g_module_make_resident (module);
 
+  /* a device plugin that finds no hardware keeps its NO_DEVICE code */
   if (desc->init != NULL && !desc->init (&local))
-    FAIL (MOE_ERROR_PLUGIN_INIT, "Plugin “%s”: init failed: %s", self->name,
-          local ? local->message : "no reason given");
+    FAIL (g_error_matches (local, MOE_ERROR, MOE_ERROR_NO_DEVICE) ? MOE_ERROR_NO_DEVICE : MOE_ERROR_PLUGIN_INIT,
+          "Plugin “%s”: init failed: %s", self->name, local ? local->message : "no reason given");
 
   type = g_type_from_name (self->type_name);
   if (type == G_TYPE_INVALID)

@@ -80,6 +80,22 @@ MoeTensor     *moe_tensor_new_empty         (MoeDevice     *device,
                                              guint          n_dims,
                                              GError       **error);
 
+/* Experts on devices other than the CPU: a backend hands its schedule to
+ * the device, which owns the kernels (plugins/cuda for "cuda"). */
+MOE_AVAILABLE_IN_ALL
+gboolean       moe_device_supports_experts  (MoeDevice          *self,
+                                             MoeExpertsSchedule  schedule,
+                                             MoeExperts         *experts,
+                                             GError            **error);
+MOE_AVAILABLE_IN_ALL
+MoeTensor     *moe_device_run_experts       (MoeDevice          *self,
+                                             MoeExpertsSchedule  schedule,
+                                             MoeExperts         *experts,
+                                             MoeTensor          *hidden_states,
+                                             MoeTensor          *top_k_index,
+                                             MoeTensor          *top_k_weights,
+                                             GError            **error);
+
 /* Per-experts state a backend keeps between forwards (repacked weights…);
  * freed with the experts object. */
 MOE_AVAILABLE_IN_ALL

@@ -59,6 +59,24 @@ typedef enum {
   MOE_GATE_LAYOUT_INTERLEAVED,
 } MoeGateLayout;
 
+/**
+ * MoeExpertsSchedule:
+ * @MOE_EXPERTS_SCHEDULE_PER_EXPERT: loop over the experts that were hit, one
+ *   matrix product per expert over its rows ("eager")
+ * @MOE_EXPERTS_SCHEDULE_PER_ROW: one row per (token, slot), each multiplying
+ *   its own expert's weights read in place ("batched_mm")
+ * @MOE_EXPERTS_SCHEDULE_GROUPED: rows sorted by expert, one grouped matrix
+ *   product per projection over contiguous row ranges ("grouped_mm")
+ *
+ * How an experts backend orders the experts' matrix products; a device
+ * other than the CPU runs the built-in backends by their schedule.
+ */
+typedef enum {
+  MOE_EXPERTS_SCHEDULE_PER_EXPERT,
+  MOE_EXPERTS_SCHEDULE_PER_ROW,
+  MOE_EXPERTS_SCHEDULE_GROUPED,
+} MoeExpertsSchedule;
+
 MOE_AVAILABLE_IN_ALL
 gsize        moe_dtype_get_size   (MoeDType dtype);
 MOE_AVAILABLE_IN_ALL

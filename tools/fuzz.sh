@@ -50,7 +50,7 @@ if ! libfuzzer_links; then
 fi
 
 # ---- build ---------------------------------------------------------------
-options="-Dfuzzing=true -Db_sanitize=address,undefined -Dintrospection=disabled -Dtests=false -Dexamples=false"
+options="-Dfuzzing=true -Dcuda=disabled -Db_sanitize=address,undefined -Dintrospection=disabled -Dtests=false -Dexamples=false"
 if [ -f "$build/build.ninja" ]; then
   # shellcheck disable=SC2086
   meson configure "$build" $options >/dev/null

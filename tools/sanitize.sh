@@ -15,7 +15,7 @@ tools/install-deps.sh
 build=_build-asan
 [ -f $build/build.ninja ] || \
   meson setup $build -Db_sanitize=address,undefined -Db_lundef=false \
-    -Dintrospection=disabled >/dev/null
+    -Dintrospection=disabled -Dcuda=disabled >/dev/null
 meson compile -C $build >/dev/null
 
 # detect_leaks: LeakSanitizer at exit, in g_test_trap_subprocess children too.

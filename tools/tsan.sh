@@ -6,7 +6,7 @@ set -eu
 cd "$(dirname "$0")/.."
 tools/install-deps.sh
 [ -f _build-tsan/build.ninja ] || \
-  meson setup _build-tsan -Db_sanitize=thread -Db_lundef=false -Dintrospection=disabled >/dev/null
+  meson setup _build-tsan -Db_sanitize=thread -Db_lundef=false -Dintrospection=disabled -Dcuda=disabled >/dev/null
 meson compile -C _build-tsan >/dev/null
 # GLib's GMutex/GCond sit on futexes ThreadSanitizer cannot see; tests/tsan.supp
 # names those library-internal reports, nothing of libmoe's.

@@ -7,95 +7,12 @@
 #include <moe-plugin.h>
 
 #include "moe-test-util.h"
+#include "moe-test-experts-fixture.h"
 
 static const char *fixtures[] = {
   "silu_concat", "silu_decode_t1", "gelu_concat", "relu_ungated",
   "gptoss_bias_transposed_interleaved", "silu_sentinel", "silu_many_tokens",
 };
-
-typedef struct {
-  MoeCheckpoint *ck;
-  MoeExperts    *experts;
-  MoeTensor     *hidden, *index, *weights, *reference;
-} Case;
-
-static char *
-metadata (MoeCheckpoint *ck, const char *key)
-{
-  const char *v = moe_checkpoint_get_metadata_value (ck, key);
-  g_assert_nonnull (v);
-  /* transformers wrote some values JSON-quoted */
-  return g_strdelimit (g_strdup (v), "\"", ' ');
-}
-
-static gboolean
-metadata_true (MoeCheckpoint *ck, const char *key)
-{
-  g_autofree char *v = metadata (ck, key);
-  return g_str_equal (g_strstrip (v), "true");
-}
-
-static MoeTensor *
-tensor (MoeCheckpoint *ck, const char *name, MoeDType dtype)
-{
-  g_autoptr(GError) error = NULL;
-  g_autoptr(MoeTensor) t = moe_checkpoint_get_tensor (ck, name, &error);
-  MoeTensor *out;
-
-  g_assert_no_error (error);
-  if (!moe_dtype_is_float (moe_tensor_get_dtype (t)))
-    return g_steal_pointer (&t);
-  out = moe_tensor_to_dtype (t, dtype, &error);
-  g_assert_no_error (error);
-  return out;
-}
-
-static void
-case_load (Case *c, const char *name, MoeDType dtype)
-{
-  g_autoptr(GError) error = NULL;
-  g_autofree char *file = g_strconcat (name, ".safetensors", NULL);
-  g_autofree char *path = moe_test_data_path ("experts", file, NULL);
-  g_autoptr(MoeTensor) up = NULL, down = NULL;
-  g_autofree char *act = NULL;
-
-  c->ck = moe_checkpoint_open (path, &error);
-  g_assert_no_error (error);
-  up = tensor (c->ck, "up_weight", dtype);
-  down = tensor (c->ck, "down_weight", dtype);
-  c->experts = moe_experts_new (up, down);
-  act = metadata (c->ck, "act");
-  moe_experts_set_activation (c->experts, g_strstrip (act));
-  moe_experts_set_has_gate (c->experts, metadata_true (c->ck, "has_gate"));
-  moe_experts_set_is_transposed (c->experts, metadata_true (c->ck, "is_transposed"));
-  if (metadata_true (c->ck, "interleaved_clamped_swiglu"))
-    moe_experts_set_gate_layout (c->experts, MOE_GATE_LAYOUT_INTERLEAVED);
-  if (moe_checkpoint_has_tensor (c->ck, "up_bias"))
-    {
-      g_autoptr(MoeTensor) ub = tensor (c->ck, "up_bias", dtype);
-      g_autoptr(MoeTensor) db = tensor (c->ck, "down_bias", dtype);
-      moe_experts_set_up_bias (c->experts, ub);
-      moe_experts_set_down_bias (c->experts, db);
-    }
-  g_assert_true (moe_experts_validate (c->experts, &error));
-  g_assert_no_error (error);
-
-  c->hidden = tensor (c->ck, "hidden_states", dtype);
-  c->index = tensor (c->ck, "top_k_index", dtype);
-  c->weights = tensor (c->ck, "top_k_weights", MOE_DTYPE_F32);
-  c->reference = tensor (c->ck, "output_f64", MOE_DTYPE_F64);
-}
-
-static void
-case_clear (Case *c)
-{
-  g_clear_object (&c->ck);
-  g_clear_object (&c->experts);
-  g_clear_object (&c->hidden);
-  g_clear_object (&c->index);
-  g_clear_object (&c->weights);
-  g_clear_object (&c->reference);
-}
 
 static MoeTensor *
 run (Case *c, const char *backend)
@@ -125,7 +42,7 @@ check_fixture (gconstpointer data, MoeDType dtype, double tolerance)
   g_assert_true (g_strv_contains ((const char * const *) backends, "batched_mm"));
   g_assert_true (g_strv_contains ((const char * const *) backends, "grouped_mm"));
 
-  case_load (&c, name, dtype);
+  case_load (&c, name, dtype, NULL);
   for (guint i = 0; backends[i] != NULL; i++)
     {
       MoeTensor *out = run (&c, backends[i]);
@@ -166,7 +83,7 @@ test_sentinel_contributes_nothing (void)
   Case c = { 0, };
   g_autoptr(MoeTensor) out = NULL;
 
-  case_load (&c, "silu_sentinel", MOE_DTYPE_F32);
+  case_load (&c, "silu_sentinel", MOE_DTYPE_F32, NULL);
   {
     const gint64 *ids = moe_tensor_get_data (c.index);
     gint64 n = moe_tensor_get_n_elements (c.index);
@@ -206,7 +123,7 @@ test_int32_index (void)
   gint64 n;
   gint32 *ids;
 
-  case_load (&c, "silu_concat", MOE_DTYPE_F32);
+  case_load (&c, "silu_concat", MOE_DTYPE_F32, NULL);
   n = moe_tensor_get_n_elements (c.index);
   ids = g_new (gint32, n);
   for (gint64 i = 0; i < n; i++)
@@ -253,7 +170,7 @@ test_bad_inputs (void)
   g_autofree gint64 *ids = NULL;
   g_autofree float *zeros = NULL;
 
-  case_load (&c, "silu_concat", MOE_DTYPE_F32);
+  case_load (&c, "silu_concat", MOE_DTYPE_F32, NULL);
   T = moe_tensor_get_dim (c.index, 0);
   K = moe_tensor_get_dim (c.index, 1);
   E = moe_experts_get_num_experts (c.experts);
@@ -370,7 +287,7 @@ test_properties (void)
   guint notified = 0;
   g_autofree char *impl = NULL;
 
-  case_load (&c, "gelu_concat", MOE_DTYPE_F32);
+  case_load (&c, "gelu_concat", MOE_DTYPE_F32, NULL);
   g_assert_cmpuint (moe_experts_get_num_experts (c.experts), ==, 16);
   g_assert_cmpuint (moe_experts_get_hidden_size (c.experts), ==, 128);
   g_assert_cmpuint (moe_experts_get_intermediate_size (c.experts), ==, 96);

@@ -1,0 +1,921 @@
+/* moe-cuda-experts.cu: the three experts schedules on CUDA
+ *
+ * grouped  : route (count, scan, scatter: rows sorted by expert, offsets
+ *            kept on the device) -> grouped GEMM gate_up with the gather of
+ *            x and the activation fused -> grouped GEMM down with the bias
+ *            and the un-permute fused -> combine (weights, sum in slot order)
+ * per row  : one GEMV per (token, slot) row over its expert's weights, read
+ *            in place -> the same combine
+ * per expert: the routing read on the host, one cuBLAS GEMM per hit expert
+ *
+ * Rounding follows transformers computing in the activations' dtype: the
+ * projections, the bias adds and each op of the activation round to it;
+ * the K weighted slots are summed in float32 and rounded once.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include "moe-cuda-experts.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cublas_v2.h>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+/* ---- element types ---------------------------------------------------- */
+
+__device__ __forceinline__ float to_f (float v) { return v; }
+__device__ __forceinline__ float to_f (__nv_bfloat16 v) { return __bfloat162float (v); }
+__device__ __forceinline__ float to_f (__half v) { return __half2float (v); }
+
+template <typename T> __device__ __forceinline__ T from_f (float v);
+template <> __device__ __forceinline__ float from_f<float> (float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16> (float v) { return __float2bfloat16_rn (v); }
+template <> __device__ __forceinline__ __half from_f<__half> (float v) { return __float2half_rn (v); }
+
+template <typename T> __device__ __forceinline__ float rnd (float v) { return to_f (from_f<T> (v)); }
+
+__device__ __forceinline__ float
+load_any (const void *p, int dtype, size_t i)
+{
+  switch (dtype)
+    {
+    case MOE_CUDA_BF16: return __bfloat162float (((const __nv_bfloat16 *) p)[i]);
+    case MOE_CUDA_F16: return __half2float (((const __half *) p)[i]);
+    default: return ((const float *) p)[i];
+    }
+}
+
+__device__ __forceinline__ float
+activate (int act, float v)
+{
+  switch (act)
+    {
+    case MOE_CUDA_ACT_SILU: return v / (1.0f + expf (-v));
+    case MOE_CUDA_ACT_GELU: return 0.5f * v * (1.0f + erff (v * 0.70710678118654752f));
+    case MOE_CUDA_ACT_GELU_TANH:
+      return 0.5f * v * (1.0f + tanhf (0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    default: return v > 0.0f ? v : 0.0f;
+    }
+}
+
+/* ---- what one expert computes, one output at a time -------------------- */
+
+/* The activation input: gate and up raw products of weight rows gr and ur. */
+template <typename T>
+__device__ __forceinline__ float
+gate_up_finish (const MoeCudaExperts &p, int e, int gr, int ur, float g, float u)
+{
+  int upn = p.has_gate ? 2 * p.inter : p.inter;
+  const T *bias = (const T *) p.up_bias;
+
+  u = rnd<T> (u);
+  if (bias != nullptr)
+    u = rnd<T> (u + to_f (bias[(size_t) e * upn + ur]));
+  if (!p.has_gate)
+    return rnd<T> (activate (p.activation, u));
+  g = rnd<T> (g);
+  if (bias != nullptr)
+    g = rnd<T> (g + to_f (bias[(size_t) e * upn + gr]));
+  if (p.interleaved)
+    {
+      g = fminf (g, p.limit);
+      u = fminf (fmaxf (u, -p.limit), p.limit);
+      float sig = rnd<T> (1.0f / (1.0f + expf (-rnd<T> (p.alpha * g))));
+      float glu = rnd<T> (g * sig);
+      return rnd<T> (rnd<T> (u + 1.0f) * glu);
+    }
+  return rnd<T> (rnd<T> (activate (p.activation, g)) * u);
+}
+
+template <typename T>
+__device__ __forceinline__ float
+down_finish (const MoeCudaExperts &p, int e, int n, float y)
+{
+  const T *bias = (const T *) p.down_bias;
+
+  y = rnd<T> (y);
+  if (bias != nullptr)
+    y = rnd<T> (y + to_f (bias[(size_t) e * p.hidden + n]));
+  return y;
+}
+
+/* The weight rows behind output column j of h: gate row and up row. */
+__device__ __forceinline__ void
+gate_up_rows (const MoeCudaExperts &p, int j, int *gr, int *ur)
+{
+  if (!p.has_gate)
+    *gr = *ur = j;
+  else if (p.interleaved)
+    *gr = 2 * j, *ur = 2 * j + 1;
+  else
+    *gr = j, *ur = p.inter + j;
+}
+
+/* ---- routing: rows sorted by expert, on the device --------------------- */
+
+struct Route {
+  int *counts;      /* [E] */
+  int *cursor;      /* [E] */
+  int *offsets;     /* [E + 1]: first sorted row of each expert */
+  int *tile_start;  /* [E + 1]: first m-tile of each expert */
+  int *sorted_pair; /* [S]: sorted row -> t * K + k */
+};
+
+__global__ void
+route_count (const int64_t *ids, int S, int E, int *counts)
+{
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < S && ids[i] < E)
+    atomicAdd (&counts[ids[i]], 1);
+}
+
+/* One block: exclusive scans of the counts and of the m-tiles per expert. */
+__global__ void __launch_bounds__ (1024)
+route_scan (const int *counts, int E, int bm, int *offsets, int *tile_start)
+{
+  __shared__ int rows_sum[1024], tiles_sum[1024];
+  int per = (E + blockDim.x - 1) / blockDim.x;
+  int lo = threadIdx.x * per, hi = min (lo + per, E);
+  int rows = 0, tiles = 0;
+
+  for (int e = lo; e < hi; e++)
+    rows += counts[e], tiles += (counts[e] + bm - 1) / bm;
+  rows_sum[threadIdx.x] = rows;
+  tiles_sum[threadIdx.x] = tiles;
+  __syncthreads ();
+  for (int step = 1; step < (int) blockDim.x; step *= 2)
+    {
+      int r = threadIdx.x >= step ? rows_sum[threadIdx.x - step] : 0;
+      int t = threadIdx.x >= step ? tiles_sum[threadIdx.x - step] : 0;
+      __syncthreads ();
+      rows_sum[threadIdx.x] += r;
+      tiles_sum[threadIdx.x] += t;
+      __syncthreads ();
+    }
+  rows = rows_sum[threadIdx.x] - rows;
+  tiles = tiles_sum[threadIdx.x] - tiles;
+  for (int e = lo; e < hi; e++)
+    {
+      offsets[e] = rows;
+      tile_start[e] = tiles;
+      rows += counts[e];
+      tiles += (counts[e] + bm - 1) / bm;
+    }
+  if (threadIdx.x == blockDim.x - 1)
+    offsets[E] = rows_sum[threadIdx.x], tile_start[E] = tiles_sum[threadIdx.x];
+}
+
+__global__ void
+route_scatter (const int64_t *ids, int S, int E, const int *offsets, int *cursor, int *sorted_pair)
+{
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < S && ids[i] < E)
+    sorted_pair[offsets[ids[i]] + atomicAdd (&cursor[ids[i]], 1)] = i;
+}
+
+/* ---- grouped GEMM -------------------------------------------------------
+ *
+ * C[rows of expert e, tile cols] = A[rows] · W_eᵀ, one CTA per (m-tile,
+ * n-tile). MODE_GATE_UP gathers A from x by token and writes h (sorted
+ * rows); MODE_DOWN reads h and writes y by (token, slot). */
+
+enum { MODE_GATE_UP, MODE_DOWN };
+
+struct Tile {
+  int e, row0, rows;      /* expert, first sorted row, rows in this tile */
+};
+
+/* m-tile -> expert by binary search over tile_start; false past the end. */
+__device__ __forceinline__ bool
+find_tile (const Route &r, int E, int bm, int mt, Tile *t)
+{
+  if (mt >= r.tile_start[E])
+    return false;
+  int lo = 0, hi = E - 1;
+  while (lo < hi)
+    {
+      int mid = (lo + hi + 1) / 2;
+      if (r.tile_start[mid] <= mt)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+  t->e = lo;
+  t->row0 = r.offsets[lo] + (mt - r.tile_start[lo]) * bm;
+  t->rows = min (bm, r.offsets[lo + 1] - t->row0);
+  return true;
+}
+
+/* Tile column c (of bn) of n-tile nt -> the weight row it multiplies, or -1.
+ * Gated tiles hold bn/2 outputs: gate rows in the first half and up rows in
+ * the second (concatenated), or gate/up alternating (interleaved). */
+template <int MODE>
+__device__ __forceinline__ int
+tile_weight_row (const MoeCudaExperts &p, int bn, int nt, int c)
+{
+  if (MODE == MODE_DOWN)
+    {
+      int n = nt * bn + c;
+      return n < p.hidden ? n : -1;
+    }
+  if (!p.has_gate)
+    {
+      int n = nt * bn + c;
+      return n < p.inter ? n : -1;
+    }
+  int j0 = nt * (bn / 2);
+  if (p.interleaved)
+    return 2 * j0 + c < 2 * p.inter ? 2 * j0 + c : -1;
+  int j = j0 + (c % (bn / 2));
+  if (j >= p.inter)
+    return -1;
+  return c < bn / 2 ? j : p.inter + j;
+}
+
+/* The CTA's tile of accumulators, staged in shared memory, to outputs. */
+template <typename T, int MODE>
+__device__ void
+tile_epilogue (const MoeCudaExperts &p, const Route &r, const float *cs, int ldc,
+               int bm, int bn, int nt, const Tile &t, T *dst)
+{
+  if (MODE == MODE_DOWN)
+    {
+      T *y = dst;
+      for (int i = threadIdx.x; i < bm * bn; i += blockDim.x)
+        {
+          int row = i / bn, c = i % bn, n = nt * bn + c;
+          if (row < t.rows && n < p.hidden)
+            {
+              int pair = r.sorted_pair[t.row0 + row];
+              y[(size_t) pair * p.hidden + n] = from_f<T> (down_finish<T> (p, t.e, n, cs[row * ldc + c]));
+            }
+        }
+      return;
+    }
+
+  T *h = dst;
+  int outs = p.has_gate ? bn / 2 : bn;
+  for (int i = threadIdx.x; i < bm * outs; i += blockDim.x)
+    {
+      int row = i / outs, o = i % outs, j = nt * outs + o;
+      if (row >= t.rows || j >= p.inter)
+        continue;
+      int gc, uc, gr, ur;
+      if (!p.has_gate)
+        gc = uc = o;
+      else if (p.interleaved)
+        gc = 2 * o, uc = 2 * o + 1;
+      else
+        gc = o, uc = o + bn / 2;
+      gate_up_rows (p, j, &gr, &ur);
+      float v = gate_up_finish<T> (p, t.e, gr, ur, cs[row * ldc + gc], cs[row * ldc + uc]);
+      h[(size_t) (t.row0 + row) * p.inter + j] = from_f<T> (v);
+    }
+}
+
+/* Tensor-core version (bf16/f16): mma.sync m16n8k16, ldmatrix, a 3-stage
+ * cp.async pipeline. Needs H and I multiples of 8 (16-byte rows). */
+constexpr int TC_BM = 128, TC_BN = 128, TC_BK = 32, TC_STAGES = 3, TC_PAD = 8;
+constexpr int TC_LDA = TC_BK + TC_PAD;            /* A and K-major B: [row][k] */
+constexpr int TC_LDBN = TC_BN + TC_PAD;           /* N-major B: [k][col] */
+constexpr int TC_LDC = TC_BN + 4;
+constexpr size_t TC_SMEM_PIPE = (size_t) TC_STAGES * (TC_BM * TC_LDA + TC_BN * TC_LDA) * 2;
+constexpr size_t TC_SMEM_EPI = (size_t) TC_BM * TC_LDC * 4;
+constexpr size_t TC_SMEM = TC_SMEM_PIPE > TC_SMEM_EPI ? TC_SMEM_PIPE : TC_SMEM_EPI;
+
+__device__ __forceinline__ void
+cp_async16 (void *smem, const void *gmem, bool valid)
+{
+  unsigned s = (unsigned) __cvta_generic_to_shared (smem);
+  int n = valid ? 16 : 0;
+  asm volatile ("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(n));
+}
+
+__device__ __forceinline__ void
+ldmatrix_x4 (unsigned r[4], const void *smem, bool trans)
+{
+  unsigned s = (unsigned) __cvta_generic_to_shared (smem);
+  if (trans)
+    asm volatile ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+  else
+    asm volatile ("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+
+template <typename T>
+__device__ __forceinline__ void
+mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
+{
+  if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    asm volatile ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  else
+    asm volatile ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <typename T, int MODE, bool KMAJOR>
+__global__ void __launch_bounds__ (256)
+grouped_gemm_tc (MoeCudaExperts p, Route r, const T *a_base, T *dst)
+{
+  extern __shared__ __align__ (16) unsigned char smem[];
+  __shared__ int a_row[TC_BM];
+  T *as = (T *) smem;
+  T *bs = as + TC_STAGES * TC_BM * TC_LDA;
+  const int nt = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp / 4, wn = warp % 4;
+  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
+  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+  Tile t;
+
+  if (!find_tile (r, p.num_experts, TC_BM, blockIdx.x, &t))
+    return;
+  for (int i = threadIdx.x; i < TC_BM; i += blockDim.x)
+    a_row[i] = i < t.rows ? (MODE == MODE_DOWN ? t.row0 + i : r.sorted_pair[t.row0 + i] / p.top_k) : -1;
+  __syncthreads ();
+
+  const T *w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) t.e * nw * K;
+  const int ktiles = (K + TC_BK - 1) / TC_BK;
+
+  auto load_stage = [&] (int stage, int kt) {
+    int k0 = kt * TC_BK;
+    T *sa = as + stage * TC_BM * TC_LDA;
+    T *sb = bs + stage * TC_BN * TC_LDA;
+    for (int c = threadIdx.x; c < TC_BM * (TC_BK / 8); c += blockDim.x)
+      {
+        int row = c / (TC_BK / 8), k = (c % (TC_BK / 8)) * 8;
+        bool ok = a_row[row] >= 0 && k0 + k < K;
+        const T *src = ok ? a_base + (size_t) a_row[row] * K + k0 + k : a_base;
+        cp_async16 (sa + row * TC_LDA + k, src, ok);
+      }
+    if (KMAJOR)
+      for (int c = threadIdx.x; c < TC_BN * (TC_BK / 8); c += blockDim.x)
+        {
+          int col = c / (TC_BK / 8), k = (c % (TC_BK / 8)) * 8;
+          int wr = tile_weight_row<MODE> (p, TC_BN, nt, col);
+          bool ok = wr >= 0 && k0 + k < K;
+          const T *src = ok ? w + (size_t) wr * K + k0 + k : w;
+          cp_async16 (sb + col * TC_LDA + k, src, ok);
+        }
+    else
+      for (int c = threadIdx.x; c < TC_BK * (TC_BN / 8); c += blockDim.x)
+        {
+          int k = c / (TC_BN / 8), col = (c % (TC_BN / 8)) * 8;
+          int wr = tile_weight_row<MODE> (p, TC_BN, nt, col);
+          bool ok = wr >= 0 && k0 + k < K;
+          const T *src = ok ? w + (size_t) (k0 + k) * nw + wr : w;
+          cp_async16 (sb + k * TC_LDBN + col, src, ok);
+        }
+  };
+
+  float acc[4][4][4] = {};
+
+  for (int s = 0; s < TC_STAGES - 1; s++)
+    {
+      if (s < ktiles)
+        load_stage (s, s);
+      asm volatile ("cp.async.commit_group;\n");
+    }
+
+  for (int kt = 0; kt < ktiles; kt++)
+    {
+      asm volatile ("cp.async.wait_group %0;\n" :: "n"(TC_STAGES - 2));
+      __syncthreads ();
+      if (kt + TC_STAGES - 1 < ktiles)
+        load_stage ((kt + TC_STAGES - 1) % TC_STAGES, kt + TC_STAGES - 1);
+      asm volatile ("cp.async.commit_group;\n");
+
+      const T *sa = as + (kt % TC_STAGES) * TC_BM * TC_LDA;
+      const T *sb = bs + (kt % TC_STAGES) * TC_BN * TC_LDA;
+#pragma unroll
+      for (int ks = 0; ks < TC_BK; ks += 16)
+        {
+          unsigned a[4][4], b[4][2];
+#pragma unroll
+          for (int mi = 0; mi < 4; mi++)
+            {
+              int mat = lane / 8;
+              int row = wm * 64 + mi * 16 + (mat % 2) * 8 + lane % 8;
+              ldmatrix_x4 (a[mi], sa + row * TC_LDA + ks + (mat / 2) * 8, false);
+            }
+#pragma unroll
+          for (int nj = 0; nj < 2; nj++)
+            {
+              int mat = lane / 8;
+              unsigned q[4];
+              if (KMAJOR)
+                {
+                  int col = wn * 32 + nj * 16 + (mat / 2) * 8 + lane % 8;
+                  ldmatrix_x4 (q, sb + col * TC_LDA + ks + (mat % 2) * 8, false);
+                }
+              else
+                {
+                  int k = ks + (mat % 2) * 8 + lane % 8;
+                  ldmatrix_x4 (q, sb + k * TC_LDBN + wn * 32 + nj * 16 + (mat / 2) * 8, true);
+                }
+              b[2 * nj][0] = q[0], b[2 * nj][1] = q[1];
+              b[2 * nj + 1][0] = q[2], b[2 * nj + 1][1] = q[3];
+            }
+#pragma unroll
+          for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++)
+              mma16816<T> (acc[mi][ni], a[mi], b[ni]);
+        }
+    }
+  asm volatile ("cp.async.wait_group 0;\n");
+  __syncthreads ();
+
+  float *cs = (float *) smem;
+#pragma unroll
+  for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+    for (int ni = 0; ni < 4; ni++)
+      {
+        int row = wm * 64 + mi * 16 + lane / 4, col = wn * 32 + ni * 8 + (lane % 4) * 2;
+        cs[row * TC_LDC + col] = acc[mi][ni][0];
+        cs[row * TC_LDC + col + 1] = acc[mi][ni][1];
+        cs[(row + 8) * TC_LDC + col] = acc[mi][ni][2];
+        cs[(row + 8) * TC_LDC + col + 1] = acc[mi][ni][3];
+      }
+  __syncthreads ();
+  tile_epilogue<T, MODE> (p, r, cs, TC_LDC, TC_BM, TC_BN, nt, t, dst);
+}
+
+/* Plain float version: f32, and shapes the tensor-core path does not take. */
+constexpr int SI_BM = 64, SI_BN = 64, SI_BK = 16, SI_LDC = SI_BN + 1;
+
+template <typename T, int MODE>
+__global__ void __launch_bounds__ (256)
+grouped_gemm_simt (MoeCudaExperts p, Route r, const T *a_base, T *dst)
+{
+  __shared__ float sa[SI_BK][SI_BM], sb[SI_BK][SI_BN];
+  __shared__ float cs[SI_BM * SI_LDC];
+  __shared__ int a_row[SI_BM], w_row[SI_BN];
+  const int nt = blockIdx.y, tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
+  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+  Tile t;
+
+  if (!find_tile (r, p.num_experts, SI_BM, blockIdx.x, &t))
+    return;
+  for (int i = threadIdx.x; i < SI_BM; i += blockDim.x)
+    a_row[i] = i < t.rows ? (MODE == MODE_DOWN ? t.row0 + i : r.sorted_pair[t.row0 + i] / p.top_k) : -1;
+  for (int i = threadIdx.x; i < SI_BN; i += blockDim.x)
+    w_row[i] = tile_weight_row<MODE> (p, SI_BN, nt, i);
+  __syncthreads ();
+
+  const T *w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) t.e * nw * K;
+  float acc[4][4] = {};
+
+  for (int k0 = 0; k0 < K; k0 += SI_BK)
+    {
+      for (int i = threadIdx.x; i < SI_BK * SI_BM; i += blockDim.x)
+        {
+          int row = i / SI_BK, k = i % SI_BK;
+          sa[k][row] = a_row[row] >= 0 && k0 + k < K ? to_f (a_base[(size_t) a_row[row] * K + k0 + k]) : 0.0f;
+        }
+      for (int i = threadIdx.x; i < SI_BK * SI_BN; i += blockDim.x)
+        {
+          int col, k;
+          if (p.transposed)
+            k = i / SI_BN, col = i % SI_BN;
+          else
+            col = i / SI_BK, k = i % SI_BK;
+          int wr = w_row[col];
+          float v = 0.0f;
+          if (wr >= 0 && k0 + k < K)
+            v = to_f (p.transposed ? w[(size_t) (k0 + k) * nw + wr] : w[(size_t) wr * K + k0 + k]);
+          sb[k][col] = v;
+        }
+      __syncthreads ();
+#pragma unroll
+      for (int k = 0; k < SI_BK; k++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+          for (int j = 0; j < 4; j++)
+            acc[i][j] += sa[k][ty + 16 * i] * sb[k][tx + 16 * j];
+      __syncthreads ();
+    }
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+      cs[(ty + 16 * i) * SI_LDC + tx + 16 * j] = acc[i][j];
+  __syncthreads ();
+  tile_epilogue<T, MODE> (p, r, cs, SI_LDC, SI_BM, SI_BN, nt, t, dst);
+}
+
+/* ---- per-row GEMV ------------------------------------------------------
+ *
+ * Block (row, group of outputs). K-major weights: one warp per output,
+ * 16-byte loads along K. Transposed weights: 32 outputs per block, the
+ * eight warps split K. */
+
+template <typename T>
+__device__ __forceinline__ float
+dot_row (const T *w, const float *x, int K, int lane)
+{
+  float s = 0.0f;
+  if (K % 8 == 0 && sizeof (T) == 2)
+    {
+      for (int k = lane * 8; k < K; k += 256)
+        {
+          uint4 v = *(const uint4 *) (w + k);
+          const T *e = (const T *) &v;
+#pragma unroll
+          for (int q = 0; q < 8; q++)
+            s += to_f (e[q]) * x[k + q];
+        }
+    }
+  else
+    for (int k = lane; k < K; k += 32)
+      s += to_f (w[k]) * x[k];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2)
+    s += __shfl_xor_sync (0xffffffffu, s, o);
+  return s;
+}
+
+/* One output of one row: the gate/up pair for MODE_GATE_UP, one row else. */
+template <typename T, int MODE>
+__global__ void __launch_bounds__ (256)
+rowwise (MoeCudaExperts p, T *h, T *y)
+{
+  extern __shared__ float xs[];
+  const int pair = blockIdx.x, E = p.num_experts;
+  const int e = (int) p.ids[pair];
+  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
+  const int n_out = MODE == MODE_DOWN ? p.hidden : p.inter;
+  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+  const T *src = MODE == MODE_DOWN ? h + (size_t) pair * p.inter : (const T *) p.x + (size_t) (pair / p.top_k) * p.hidden;
+  const T *w;
+
+  if (e >= E)
+    return;
+  for (int k = threadIdx.x; k < K; k += blockDim.x)
+    xs[k] = to_f (src[k]);
+  __syncthreads ();
+  w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) e * nw * K;
+
+  if (!p.transposed)
+    {
+      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+      const int o = blockIdx.y * 8 + warp;
+      if (o >= n_out)
+        return;
+      if (MODE == MODE_DOWN)
+        {
+          float s = dot_row (w + (size_t) o * K, xs, K, lane);
+          if (lane == 0)
+            y[(size_t) pair * p.hidden + o] = from_f<T> (down_finish<T> (p, e, o, s));
+        }
+      else
+        {
+          int gr, ur;
+          gate_up_rows (p, o, &gr, &ur);
+          float u = dot_row (w + (size_t) ur * K, xs, K, lane);
+          float g = p.has_gate ? dot_row (w + (size_t) gr * K, xs, K, lane) : u;
+          if (lane == 0)
+            h[(size_t) pair * p.inter + o] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, g, u));
+        }
+      return;
+    }
+
+  __shared__ float part[8][32][2];
+  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+  const int o = blockIdx.y * 32 + tx;
+  int gr = o, ur = o;
+  float g = 0.0f, u = 0.0f;
+  if (o < n_out)
+    {
+      if (MODE == MODE_GATE_UP)
+        gate_up_rows (p, o, &gr, &ur);
+      for (int k = ty; k < K; k += 8)
+        {
+          u += to_f (w[(size_t) k * nw + ur]) * xs[k];
+          if (MODE == MODE_GATE_UP && p.has_gate)
+            g += to_f (w[(size_t) k * nw + gr]) * xs[k];
+        }
+    }
+  part[ty][tx][0] = g;
+  part[ty][tx][1] = u;
+  __syncthreads ();
+  if (ty != 0 || o >= n_out)
+    return;
+  for (int i = 1; i < 8; i++)
+    g += part[i][tx][0], u += part[i][tx][1];
+  if (MODE == MODE_DOWN)
+    y[(size_t) pair * p.hidden + o] = from_f<T> (down_finish<T> (p, e, o, u));
+  else
+    h[(size_t) pair * p.inter + o] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, p.has_gate ? g : u, u));
+}
+
+/* ---- combine: out[t] = Σ_k w[t,k] · y[t*K + k], in slot order --------- */
+
+template <typename T>
+__global__ void
+combine (MoeCudaExperts p, const T *y)
+{
+  const int t = blockIdx.x, K = p.top_k, H = p.hidden;
+  for (int n = threadIdx.x; n < H; n += blockDim.x)
+    {
+      float acc = 0.0f;
+      for (int k = 0; k < K; k++)
+        {
+          size_t pair = (size_t) t * K + k;
+          if (p.ids[pair] < p.num_experts)
+            acc += to_f (y[pair * H + n]) * load_any (p.routing, p.routing_dtype, pair);
+        }
+      ((T *) p.out)[(size_t) t * H + n] = from_f<T> (acc);
+    }
+}
+
+/* ---- per expert (eager): host routing, cuBLAS ---------------------------- */
+
+template <typename T>
+__global__ void
+gather_rows (const T *x, const int *sorted_pair, int rows, int K, int H, T *dst)
+{
+  const int r = blockIdx.x;
+  for (int n = threadIdx.x; n < H; n += blockDim.x)
+    dst[(size_t) r * H + n] = x[(size_t) (sorted_pair[r] / K) * H + n];
+}
+
+/* u holds cuBLAS's rounded gate_up rows (sorted); writes h (sorted). */
+template <typename T>
+__global__ void
+gate_rows (MoeCudaExperts p, const T *u, const int *row_expert, T *h)
+{
+  const int r = blockIdx.x, upn = p.has_gate ? 2 * p.inter : p.inter;
+  for (int j = threadIdx.x; j < p.inter; j += blockDim.x)
+    {
+      int gr, ur;
+      gate_up_rows (p, j, &gr, &ur);
+      h[(size_t) r * p.inter + j] = from_f<T> (gate_up_finish<T> (p, row_expert[r], gr, ur,
+                                                                  to_f (u[(size_t) r * upn + gr]),
+                                                                  to_f (u[(size_t) r * upn + ur])));
+    }
+}
+
+/* ys: cuBLAS's down rows (sorted) -> y by (token, slot), with the bias. */
+template <typename T>
+__global__ void
+scatter_rows (MoeCudaExperts p, const T *ys, const int *sorted_pair, const int *row_expert, T *y)
+{
+  const int r = blockIdx.x, H = p.hidden;
+  for (int n = threadIdx.x; n < H; n += blockDim.x)
+    y[(size_t) sorted_pair[r] * H + n] = from_f<T> (down_finish<T> (p, row_expert[r], n, to_f (ys[(size_t) r * H + n])));
+}
+
+/* ---- host side ----------------------------------------------------------- */
+
+size_t
+align_up (size_t n)
+{
+  return (n + 255) & ~(size_t) 255;
+}
+
+struct Workspace {
+  Route r;
+  void *h, *y, *xg, *u, *ys;
+  int *row_expert;
+};
+
+size_t
+elem_size (int dtype)
+{
+  return dtype == MOE_CUDA_F32 ? 4 : 2;
+}
+
+size_t
+carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
+{
+  size_t E = p->num_experts, S = (size_t) p->tokens * p->top_k, es = elem_size (p->dtype);
+  size_t upn = p->has_gate ? 2 * (size_t) p->inter : p->inter;
+  size_t off = 0;
+  auto take = [&] (size_t bytes) -> void * {
+    void *ptr = base != nullptr ? base + off : nullptr;
+    off += align_up (bytes);
+    return ptr;
+  };
+
+  /* counts and cursor first and adjacent: one memset clears both */
+  w->r.counts = (int *) take (2 * E * sizeof (int));
+  w->r.cursor = w->r.counts != nullptr ? w->r.counts + E : nullptr;
+  w->r.offsets = (int *) take ((E + 1) * sizeof (int));
+  w->r.tile_start = (int *) take ((E + 1) * sizeof (int));
+  w->r.sorted_pair = (int *) take (S * sizeof (int));
+  w->h = take (S * p->inter * es);
+  w->y = take (S * p->hidden * es);
+  if (schedule == MOE_CUDA_PER_EXPERT)
+    {
+      w->row_expert = (int *) take (S * sizeof (int));
+      w->xg = take (S * p->hidden * es);
+      w->u = take (S * upn * es);
+      w->ys = take (S * p->hidden * es);
+    }
+  return off;
+}
+
+template <typename T>
+const char *
+launch_combine (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  combine<T><<<p.tokens, 256, 0, s>>> (p, (const T *) w.y);
+  return nullptr;
+}
+
+template <typename T>
+const char *
+run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  const int S = p.tokens * p.top_k, E = p.num_experts;
+  const bool tc = sizeof (T) == 2 && p.hidden % 8 == 0 && p.inter % 8 == 0;
+  const int bm = tc ? TC_BM : SI_BM, bn = tc ? TC_BN : SI_BN;
+  const int outs = p.has_gate ? bn / 2 : bn;
+  const long m_slots = (S + bm - 1) / bm + (long) (E < S ? E : S);
+
+  if (cudaMemsetAsync (w.r.counts, 0, 2 * E * sizeof (int), s) != cudaSuccess)
+    return "cudaMemsetAsync failed";
+  route_count<<<(S + 255) / 256, 256, 0, s>>> (p.ids, S, E, w.r.counts);
+  route_scan<<<1, 1024, 0, s>>> (w.r.counts, E, bm, w.r.offsets, w.r.tile_start);
+  route_scatter<<<(S + 255) / 256, 256, 0, s>>> (p.ids, S, E, w.r.offsets, w.r.cursor, w.r.sorted_pair);
+
+  dim3 grid_gu (m_slots, (p.inter + outs - 1) / outs), grid_dn (m_slots, (p.hidden + bn - 1) / bn);
+  const T *x = (const T *) p.x;
+  T *h = (T *) w.h, *y = (T *) w.y;
+  if constexpr (sizeof (T) == 2)
+    if (tc)
+      {
+        auto k_gu = p.transposed ? grouped_gemm_tc<T, MODE_GATE_UP, false> : grouped_gemm_tc<T, MODE_GATE_UP, true>;
+        auto k_dn = p.transposed ? grouped_gemm_tc<T, MODE_DOWN, false> : grouped_gemm_tc<T, MODE_DOWN, true>;
+        cudaFuncSetAttribute (k_gu, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) TC_SMEM);
+        cudaFuncSetAttribute (k_dn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) TC_SMEM);
+        k_gu<<<grid_gu, 256, TC_SMEM, s>>> (p, w.r, x, h);
+        k_dn<<<grid_dn, 256, TC_SMEM, s>>> (p, w.r, h, y);
+        return launch_combine<T> (p, w, s);
+      }
+  grouped_gemm_simt<T, MODE_GATE_UP><<<grid_gu, 256, 0, s>>> (p, w.r, x, h);
+  grouped_gemm_simt<T, MODE_DOWN><<<grid_dn, 256, 0, s>>> (p, w.r, h, y);
+  return launch_combine<T> (p, w, s);
+}
+
+template <typename T>
+const char *
+run_per_row (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  const int S = p.tokens * p.top_k;
+  const int per_block = p.transposed ? 32 : 8;
+  dim3 grid_gu (S, (p.inter + per_block - 1) / per_block);
+  dim3 grid_dn (S, (p.hidden + per_block - 1) / per_block);
+  size_t smem_gu = (size_t) p.hidden * sizeof (float), smem_dn = (size_t) p.inter * sizeof (float);
+
+  if (smem_gu > 200 * 1024 || smem_dn > 200 * 1024)
+    return "hidden or intermediate size too large for the per-row kernels";
+  cudaFuncSetAttribute (rowwise<T, MODE_GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_gu);
+  cudaFuncSetAttribute (rowwise<T, MODE_DOWN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_dn);
+  rowwise<T, MODE_GATE_UP><<<grid_gu, 256, smem_gu, s>>> (p, (T *) w.h, (T *) w.y);
+  rowwise<T, MODE_DOWN><<<grid_dn, 256, smem_dn, s>>> (p, (T *) w.h, (T *) w.y);
+  return launch_combine<T> (p, w, s);
+}
+
+template <typename T> cudaDataType_t cuda_type ();
+template <> cudaDataType_t cuda_type<float> () { return CUDA_R_32F; }
+template <> cudaDataType_t cuda_type<__nv_bfloat16> () { return CUDA_R_16BF; }
+template <> cudaDataType_t cuda_type<__half> () { return CUDA_R_16F; }
+
+/* rows × n = rows × k · Wᵀ for one expert's W ([n, k], or [k, n] transposed) */
+template <typename T>
+bool
+gemm_rows (cublasHandle_t handle, bool transposed, int rows, int n, int k,
+           const T *wmat, const T *a, T *c)
+{
+  const float one = 1.0f, zero = 0.0f;
+  cudaDataType_t dt = cuda_type<T> ();
+  return cublasGemmEx (handle, transposed ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N,
+                       n, rows, k, &one, wmat, dt, transposed ? n : k, a, dt, k,
+                       &zero, c, dt, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
+}
+
+template <typename T>
+const char *
+run_per_expert (const MoeCudaExperts &p, const int64_t *host_ids, const Workspace &w,
+                cublasHandle_t handle, cudaStream_t s)
+{
+  const int S = p.tokens * p.top_k, E = p.num_experts, H = p.hidden, I = p.inter;
+  const int upn = p.has_gate ? 2 * I : I;
+  std::vector<int> offsets (E + 1, 0), sorted_pair, row_expert;
+
+  for (int i = 0; i < S; i++)
+    if (host_ids[i] < E)
+      offsets[host_ids[i] + 1]++;
+  for (int e = 0; e < E; e++)
+    offsets[e + 1] += offsets[e];
+  const int rows = offsets[E];
+  sorted_pair.resize (rows > 0 ? rows : 1);
+  row_expert.resize (rows > 0 ? rows : 1);
+  {
+    std::vector<int> fill (offsets.begin (), offsets.end () - 1);
+    for (int i = 0; i < S; i++)
+      if (host_ids[i] < E)
+        {
+          int r = fill[host_ids[i]]++;
+          sorted_pair[r] = i;
+          row_expert[r] = (int) host_ids[i];
+        }
+  }
+  if (rows > 0)
+    {
+      /* pageable copies: the host vectors are staged before these return */
+      if (cudaMemcpyAsync (w.r.sorted_pair, sorted_pair.data (), rows * sizeof (int), cudaMemcpyHostToDevice, s) != cudaSuccess ||
+          cudaMemcpyAsync (w.row_expert, row_expert.data (), rows * sizeof (int), cudaMemcpyHostToDevice, s) != cudaSuccess)
+        return "cudaMemcpyAsync failed";
+      gather_rows<T><<<rows, 256, 0, s>>> ((const T *) p.x, w.r.sorted_pair, rows, p.top_k, H, (T *) w.xg);
+      for (int e = 0; e < E; e++)
+        {
+          int n_e = offsets[e + 1] - offsets[e];
+          if (n_e == 0)
+            continue;
+          if (!gemm_rows<T> (handle, p.transposed, n_e, upn, H, (const T *) p.up + (size_t) e * upn * H,
+                             (const T *) w.xg + (size_t) offsets[e] * H, (T *) w.u + (size_t) offsets[e] * upn))
+            return "cublasGemmEx failed (gate_up)";
+        }
+      gate_rows<T><<<rows, 256, 0, s>>> (p, (const T *) w.u, w.row_expert, (T *) w.h);
+      for (int e = 0; e < E; e++)
+        {
+          int n_e = offsets[e + 1] - offsets[e];
+          if (n_e == 0)
+            continue;
+          if (!gemm_rows<T> (handle, p.transposed, n_e, H, I, (const T *) p.down + (size_t) e * H * I,
+                             (const T *) w.h + (size_t) offsets[e] * I, (T *) w.ys + (size_t) offsets[e] * H))
+            return "cublasGemmEx failed (down)";
+        }
+      scatter_rows<T><<<rows, 256, 0, s>>> (p, (const T *) w.ys, w.r.sorted_pair, w.row_expert, (T *) w.y);
+    }
+  return launch_combine<T> (p, w, s);
+}
+
+template <typename T>
+const char *
+run_typed (const MoeCudaExperts &p, int schedule, const int64_t *host_ids, const Workspace &w,
+           cublasHandle_t handle, cudaStream_t s)
+{
+  switch (schedule)
+    {
+    case MOE_CUDA_GROUPED: return run_grouped<T> (p, w, s);
+    case MOE_CUDA_PER_ROW: return run_per_row<T> (p, w, s);
+    default: return run_per_expert<T> (p, host_ids, w, handle, s);
+    }
+}
+
+} /* namespace */
+
+extern "C" size_t
+moe_cuda_experts_workspace_size (const MoeCudaExperts *e,
+                                 int                   schedule)
+{
+  Workspace w;
+  return carve (e, schedule, nullptr, &w);
+}
+
+extern "C" const char *
+moe_cuda_experts_run (const MoeCudaExperts *e,
+                      int                   schedule,
+                      const int64_t        *host_ids,
+                      void                 *workspace,
+                      void                 *cublas,
+                      cudaStream_t          stream)
+{
+  Workspace w;
+  const char *msg;
+  cudaError_t err;
+
+  if (e->tokens == 0)
+    return nullptr;
+  if (e->num_experts > 1024 * 64)
+    return "too many experts";
+  if (schedule == MOE_CUDA_PER_EXPERT && host_ids == nullptr)
+    return "the per-expert schedule needs the ids on the host";
+  carve (e, schedule, (unsigned char *) workspace, &w);
+  cudaGetLastError ();   /* a stale error is not ours */
+  switch (e->dtype)
+    {
+    case MOE_CUDA_BF16: msg = run_typed<__nv_bfloat16> (*e, schedule, host_ids, w, (cublasHandle_t) cublas, stream); break;
+    case MOE_CUDA_F16: msg = run_typed<__half> (*e, schedule, host_ids, w, (cublasHandle_t) cublas, stream); break;
+    default: msg = run_typed<float> (*e, schedule, host_ids, w, (cublasHandle_t) cublas, stream); break;
+    }
+  if (msg != nullptr)
+    return msg;
+  err = cudaGetLastError ();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
+}

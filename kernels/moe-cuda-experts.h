@@ -1,0 +1,55 @@
+/* moe-cuda-experts.h: the experts kernels of the CUDA device (C ABI)
+ *
+ * Everything here runs on one stream and never waits for the device,
+ * except the per-expert schedule, which reads the routing on the host as
+ * transformers' eager loop does.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The numbering of MoeDType and MoeCpuActivation. */
+enum { MOE_CUDA_F32 = 0, MOE_CUDA_F16 = 1, MOE_CUDA_BF16 = 2 };
+enum { MOE_CUDA_ACT_SILU, MOE_CUDA_ACT_GELU, MOE_CUDA_ACT_GELU_TANH, MOE_CUDA_ACT_RELU };
+/* The numbering of MoeExpertsSchedule. */
+enum { MOE_CUDA_PER_EXPERT, MOE_CUDA_PER_ROW, MOE_CUDA_GROUPED };
+
+typedef struct {
+  int dtype;            /* hidden states, weights, biases and output */
+  int routing_dtype;    /* top_k_weights */
+  int num_experts, hidden, inter, tokens, top_k;
+  int has_gate, interleaved, transposed, activation;
+  float alpha, limit;
+  const void *up, *down;              /* [E, 2I, H] and [E, H, I], or transposed */
+  const void *up_bias, *down_bias;    /* [E, 2I] and [E, H], or NULL */
+  const void *x;                      /* [T, H] */
+  const int64_t *ids;                 /* [T, K] on the device, every id in [0, E] */
+  const void *routing;                /* [T, K] */
+  void *out;                          /* [T, H] */
+} MoeCudaExperts;
+
+/* Bytes of scratch device memory a schedule needs. */
+size_t      moe_cuda_experts_workspace_size (const MoeCudaExperts *e,
+                                             int                   schedule);
+
+/* Queues the experts on @stream. @host_ids (the ids, in host memory) is
+ * used by the per-expert schedule only; @cublas is a cublasHandle_t bound
+ * to @stream. Returns NULL, or a static message saying what failed. */
+const char *moe_cuda_experts_run            (const MoeCudaExperts *e,
+                                             int                   schedule,
+                                             const int64_t        *host_ids,
+                                             void                 *workspace,
+                                             void                 *cublas,
+                                             cudaStream_t          stream);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,405 @@
+/* moe-cuda-device.c: the "cuda" device
+ *
+ * One GPU (the first one CUDA_VISIBLE_DEVICES leaves), one stream that all
+ * work and copies go on, a caching allocator (freed blocks are kept by size
+ * class and reused; they are stream-ordered, so reusing a block whose last
+ * kernel has not run yet is safe), and the experts schedules of
+ * kernels/moe-cuda-experts.cu.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include <string.h>
+
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+
+#include <moe-plugin.h>
+#include <moe-cpu-kernels.h>
+
+#include "moe-cuda-experts.h"
+
+#define MOE_TYPE_CUDA_DEVICE (moe_cuda_device_get_type ())
+G_DECLARE_FINAL_TYPE (MoeCudaDevice, moe_cuda_device, MOE, CUDA_DEVICE, MoeDevice)
+
+struct _MoeCudaDevice
+{
+  MoeDevice       parent_instance;
+
+  cudaStream_t    stream;
+  cublasHandle_t  cublas;
+  char           *init_error;    /* why the stream or cuBLAS could not be made */
+
+  GMutex          lock;          /* the allocator's tables and the cuBLAS handle */
+  GHashTable     *in_use;        /* device pointer -> its size class */
+  GHashTable     *free_blocks;   /* size class -> GSList of device pointers */
+};
+
+G_DEFINE_FINAL_TYPE (MoeCudaDevice, moe_cuda_device, MOE_TYPE_DEVICE)
+
+static gboolean
+cuda_check (cudaError_t   err,
+            const char   *what,
+            GError      **error)
+{
+  if (err == cudaSuccess)
+    return TRUE;
+  g_set_error (error, MOE_ERROR,
+               err == cudaErrorMemoryAllocation ? MOE_ERROR_OUT_OF_MEMORY : MOE_ERROR_FAILED,
+               "CUDA: %s failed: %s", what, cudaGetErrorString (err));
+  return FALSE;
+}
+
+static gboolean
+device_ready (MoeCudaDevice  *self,
+              GError        **error)
+{
+  if (self->init_error == NULL)
+    return TRUE;
+  g_set_error (error, MOE_ERROR, MOE_ERROR_NO_DEVICE, "%s", self->init_error);
+  return FALSE;
+}
+
+/* Small blocks round to 512 bytes, large ones to 2 MiB, so that the freed
+ * blocks of one forward are reused by the next. */
+static gsize
+size_class (gsize size)
+{
+  gsize align = size <= (1u << 20) ? 512 : (2u << 20);
+  return (MAX (size, 1) + align - 1) / align * align;
+}
+
+static void
+release_cached_locked (MoeCudaDevice *self)
+{
+  GHashTableIter iter;
+  gpointer list;
+
+  g_hash_table_iter_init (&iter, self->free_blocks);
+  while (g_hash_table_iter_next (&iter, NULL, &list))
+    for (GSList *l = list; l != NULL; l = l->next)
+      cudaFree (l->data);
+  g_hash_table_remove_all (self->free_blocks);
+}
+
+static gpointer
+cuda_alloc (MoeDevice  *device,
+            gsize       size,
+            GError    **error)
+{
+  MoeCudaDevice *self = MOE_CUDA_DEVICE (device);
+  gsize cls = size_class (size);
+  gpointer ptr = NULL;
+  GSList *list;
+  cudaError_t err;
+
+  if (!device_ready (self, error))
+    return NULL;
+
+  g_mutex_lock (&self->lock);
+  list = g_hash_table_lookup (self->free_blocks, GSIZE_TO_POINTER (cls));
+  if (list != NULL)
+    {
+      ptr = list->data;
+      g_hash_table_insert (self->free_blocks, GSIZE_TO_POINTER (cls), g_slist_delete_link (list, list));
+    }
+  else
+    {
+      err = cudaMalloc (&ptr, cls);
+      if (err == cudaErrorMemoryAllocation)
+        {
+          /* give the cached blocks back and try once more */
+          cudaGetLastError ();
+          cudaStreamSynchronize (self->stream);
+          release_cached_locked (self);
+          err = cudaMalloc (&ptr, cls);
+        }
+      if (err != cudaSuccess)
+        {
+          size_t free_b = 0, total_b = 0;
+          cudaGetLastError ();
+          cudaMemGetInfo (&free_b, &total_b);
+          g_mutex_unlock (&self->lock);
+          g_set_error (error, MOE_ERROR, MOE_ERROR_OUT_OF_MEMORY,
+                       "CUDA: could not allocate %" G_GSIZE_FORMAT " bytes of device memory "
+                       "(%zu of %zu bytes free): %s", size, free_b, total_b, cudaGetErrorString (err));
+          return NULL;
+        }
+    }
+  g_hash_table_insert (self->in_use, ptr, GSIZE_TO_POINTER (cls));
+  g_mutex_unlock (&self->lock);
+  return ptr;
+}
+
+static void
+cuda_free (MoeDevice *device,
+           gpointer   ptr)
+{
+  MoeCudaDevice *self = MOE_CUDA_DEVICE (device);
+  gpointer cls;
+
+  if (ptr == NULL)
+    return;
+  g_mutex_lock (&self->lock);
+  if (g_hash_table_steal_extended (self->in_use, ptr, NULL, &cls))
+    {
+      GSList *list = g_hash_table_lookup (self->free_blocks, cls);
+      g_hash_table_insert (self->free_blocks, cls, g_slist_prepend (list, ptr));
+    }
+  else
+    g_critical ("moe-cuda: freeing %p, which this device did not allocate", ptr);
+  g_mutex_unlock (&self->lock);
+}
+
+static gboolean
+cuda_copy_from_host (MoeDevice      *device,
+                     gpointer        dst,
+                     gconstpointer   src,
+                     gsize           size,
+                     GError        **error)
+{
+  MoeCudaDevice *self = MOE_CUDA_DEVICE (device);
+
+  /* from pageable memory the call returns once @src has been staged, so the
+   * caller may free it at once */
+  return device_ready (self, error) &&
+         cuda_check (cudaMemcpyAsync (dst, src, size, cudaMemcpyHostToDevice, self->stream),
+                     "copy to the device", error);
+}
+
+static gboolean
+cuda_copy_to_host (MoeDevice      *device,
+                   gpointer        dst,
+                   gconstpointer   src,
+                   gsize           size,
+                   GError        **error)
+{
+  MoeCudaDevice *self = MOE_CUDA_DEVICE (device);
+
+  return device_ready (self, error) &&
+         cuda_check (cudaMemcpyAsync (dst, src, size, cudaMemcpyDeviceToHost, self->stream),
+                     "copy to the host", error) &&
+         cuda_check (cudaStreamSynchronize (self->stream), "the work before a copy to the host", error);
+}
+
+static gboolean
+cuda_synchronize (MoeDevice  *device,
+                  GError    **error)
+{
+  MoeCudaDevice *self = MOE_CUDA_DEVICE (device);
+
+  return device_ready (self, error) &&
+         cuda_check (cudaStreamSynchronize (self->stream), "synchronize", error);
+}
+
+static gboolean
+is_gpu_float (MoeDType d)
+{
+  return d == MOE_DTYPE_F32 || d == MOE_DTYPE_BF16 || d == MOE_DTYPE_F16;
+}
+
+static gboolean
+cuda_supports_experts (MoeDevice           *device,
+                       MoeExpertsSchedule   schedule,
+                       MoeExperts          *experts,
+                       GError             **error)
+{
+  MoeDType up = moe_tensor_get_dtype (moe_experts_get_up_weight (experts));
+  MoeTensor *others[] = {
+    moe_experts_get_down_weight (experts), moe_experts_get_up_bias (experts), moe_experts_get_down_bias (experts),
+  };
+  const char *names[] = { "down-weight", "up-bias", "down-bias" };
+
+  if (!device_ready (MOE_CUDA_DEVICE (device), error))
+    return FALSE;
+  if (!is_gpu_float (up))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "On cuda the experts' weights must be F32, BF16 or F16, not %s",
+                   moe_dtype_get_name (up));
+      return FALSE;
+    }
+  for (guint i = 0; i < G_N_ELEMENTS (others); i++)
+    if (others[i] != NULL && moe_tensor_get_dtype (others[i]) != up)
+      {
+        g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                     "On cuda %s must have up-weight's dtype %s, not %s", names[i],
+                     moe_dtype_get_name (up), moe_dtype_get_name (moe_tensor_get_dtype (others[i])));
+        return FALSE;
+      }
+  return TRUE;
+}
+
+static gconstpointer
+data_or_null (MoeTensor *t)
+{
+  return t != NULL ? moe_tensor_get_data (t) : NULL;
+}
+
+static MoeTensor *
+cuda_run_experts (MoeDevice           *device,
+                  MoeExpertsSchedule   schedule,
+                  MoeExperts          *experts,
+                  MoeTensor           *hidden_states,
+                  MoeTensor           *top_k_index,
+                  MoeTensor           *top_k_weights,
+                  GError             **error)
+{
+  MoeCudaDevice *self = MOE_CUDA_DEVICE (device);
+  MoeTensor *up = moe_experts_get_up_weight (experts);
+  MoeDType dtype = moe_tensor_get_dtype (hidden_states);
+  g_autoptr(MoeTensor) ids = NULL;
+  g_autoptr(MoeTensor) out = NULL;
+  g_autoptr(MoeTensor) workspace = NULL;
+  g_autoptr(GBytes) host_ids = NULL;
+  MoeCpuActivation act;
+  MoeCudaExperts e = { 0, };
+  const char *msg;
+
+  if (moe_tensor_get_dtype (up) != dtype)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
+                   "On cuda hidden_states must have the experts' dtype %s, not %s",
+                   moe_dtype_get_name (moe_tensor_get_dtype (up)), moe_dtype_get_name (dtype));
+      return NULL;
+    }
+  if (!moe_cpu_activation_from_name (moe_experts_get_activation (experts), &act))
+    g_return_val_if_reached (NULL);   /* moe_experts_validate() refused it */
+
+  /* the ids are checked on the host already; the device needs its own copy */
+  ids = moe_tensor_to_device (top_k_index, device, error);
+  if (ids == NULL)
+    return NULL;
+  if (schedule == MOE_EXPERTS_SCHEDULE_PER_EXPERT)
+    {
+      host_ids = moe_tensor_dup_bytes (top_k_index, error);
+      if (host_ids == NULL)
+        return NULL;
+    }
+
+  e.dtype = dtype;
+  e.routing_dtype = moe_tensor_get_dtype (top_k_weights);
+  e.num_experts = moe_experts_get_num_experts (experts);
+  e.hidden = moe_experts_get_hidden_size (experts);
+  e.inter = moe_experts_get_intermediate_size (experts);
+  e.tokens = moe_tensor_get_dim (hidden_states, 0);
+  e.top_k = moe_tensor_get_dim (top_k_index, 1);
+  e.has_gate = moe_experts_get_has_gate (experts);
+  e.interleaved = moe_experts_get_gate_layout (experts) == MOE_GATE_LAYOUT_INTERLEAVED;
+  e.transposed = moe_experts_get_is_transposed (experts);
+  e.activation = act;
+  e.alpha = moe_experts_get_swiglu_alpha (experts);
+  e.limit = moe_experts_get_swiglu_limit (experts);
+  e.up = moe_tensor_get_data (up);
+  e.down = moe_tensor_get_data (moe_experts_get_down_weight (experts));
+  e.up_bias = data_or_null (moe_experts_get_up_bias (experts));
+  e.down_bias = data_or_null (moe_experts_get_down_bias (experts));
+  e.x = moe_tensor_get_data (hidden_states);
+  e.ids = moe_tensor_get_data (ids);
+  e.routing = moe_tensor_get_data (top_k_weights);
+
+  out = moe_tensor_new_empty (device, dtype, moe_tensor_get_shape (hidden_states, NULL), 2, error);
+  if (out == NULL)
+    return NULL;
+  e.out = moe_tensor_get_mutable_data (out);
+  {
+    gint64 n = (gint64) moe_cuda_experts_workspace_size (&e, schedule);
+    workspace = moe_tensor_new_empty (device, MOE_DTYPE_U8, &n, 1, error);
+    if (workspace == NULL)
+      return NULL;
+  }
+
+  g_mutex_lock (&self->lock);
+  msg = moe_cuda_experts_run (&e, schedule, host_ids ? g_bytes_get_data (host_ids, NULL) : NULL,
+                              moe_tensor_get_mutable_data (workspace), self->cublas, self->stream);
+  g_mutex_unlock (&self->lock);
+  if (msg != NULL)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_FAILED, "CUDA experts: %s", msg);
+      return NULL;
+    }
+  return g_steal_pointer (&out);
+}
+
+static void
+moe_cuda_device_finalize (GObject *object)
+{
+  MoeCudaDevice *self = MOE_CUDA_DEVICE (object);
+
+  /* devices live as long as the registry; this runs only at teardown */
+  if (self->init_error == NULL)
+    {
+      cudaStreamSynchronize (self->stream);
+      release_cached_locked (self);
+      cublasDestroy (self->cublas);
+      cudaStreamDestroy (self->stream);
+    }
+  g_hash_table_unref (self->in_use);
+  g_hash_table_unref (self->free_blocks);
+  g_free (self->init_error);
+  g_mutex_clear (&self->lock);
+  G_OBJECT_CLASS (moe_cuda_device_parent_class)->finalize (object);
+}
+
+static void
+moe_cuda_device_class_init (MoeCudaDeviceClass *klass)
+{
+  GObjectClass *object_class = G_OBJECT_CLASS (klass);
+  MoeDeviceClass *device_class = MOE_DEVICE_CLASS (klass);
+
+  object_class->finalize = moe_cuda_device_finalize;
+  device_class->alloc = cuda_alloc;
+  device_class->free = cuda_free;
+  device_class->copy_from_host = cuda_copy_from_host;
+  device_class->copy_to_host = cuda_copy_to_host;
+  device_class->synchronize = cuda_synchronize;
+  device_class->supports_experts = cuda_supports_experts;
+  device_class->run_experts = cuda_run_experts;
+}
+
+static void
+moe_cuda_device_init (MoeCudaDevice *self)
+{
+  cudaError_t err;
+  cublasStatus_t st;
+
+  g_mutex_init (&self->lock);
+  self->in_use = g_hash_table_new (g_direct_hash, g_direct_equal);
+  self->free_blocks = g_hash_table_new_full (g_direct_hash, g_direct_equal, NULL, (GDestroyNotify) g_slist_free);
+
+  err = cudaSetDevice (0);
+  if (err == cudaSuccess)
+    err = cudaStreamCreateWithFlags (&self->stream, cudaStreamNonBlocking);
+  if (err != cudaSuccess)
+    {
+      self->init_error = g_strdup_printf ("CUDA: could not set up the device: %s", cudaGetErrorString (err));
+      return;
+    }
+  st = cublasCreate (&self->cublas);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasSetStream (self->cublas, self->stream);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    {
+      self->init_error = g_strdup_printf ("cuBLAS: could not create a handle (status %d)", (int) st);
+      cudaStreamDestroy (self->stream);
+    }
+}
+
+/* A machine without a GPU or driver loads the plugin and says so here. */
+static gboolean
+cuda_plugin_init (GError **error)
+{
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount (&count);
+
+  if (err != cudaSuccess || count == 0)
+    {
+      cudaGetLastError ();
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NO_DEVICE, "No CUDA device: %s",
+                   err != cudaSuccess ? cudaGetErrorString (err) : "the driver reports none");
+      return FALSE;
+    }
+  g_type_ensure (MOE_TYPE_CUDA_DEVICE);
+  return TRUE;
+}
+
+MOE_PLUGIN_DEFINE (cuda, cuda_plugin_init)

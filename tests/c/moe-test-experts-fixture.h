@@ -1,0 +1,106 @@
+/* moe-test-experts-fixture.h: loading transformers' experts fixtures
+ * (tests/data/experts), shared by the CPU and GPU tests
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#pragma once
+
+#include <libmoe.h>
+
+#include "moe-test-util.h"
+
+typedef struct {
+  MoeCheckpoint *ck;
+  MoeExperts    *experts;
+  MoeTensor     *hidden, *index, *weights, *reference;
+} Case;
+
+static char *
+metadata (MoeCheckpoint *ck, const char *key)
+{
+  const char *v = moe_checkpoint_get_metadata_value (ck, key);
+  g_assert_nonnull (v);
+  /* transformers wrote some values JSON-quoted */
+  return g_strdelimit (g_strdup (v), "\"", ' ');
+}
+
+static gboolean
+metadata_true (MoeCheckpoint *ck, const char *key)
+{
+  g_autofree char *v = metadata (ck, key);
+  return g_str_equal (g_strstrip (v), "true");
+}
+
+/* A fixture tensor in @dtype (float tensors only), on @device (NULL: CPU). */
+static MoeTensor *
+tensor (MoeCheckpoint *ck, const char *name, MoeDType dtype, MoeDevice *device)
+{
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeTensor) t = moe_checkpoint_get_tensor (ck, name, &error);
+  g_autoptr(MoeTensor) typed = NULL;
+  MoeTensor *out;
+
+  g_assert_no_error (error);
+  if (!moe_dtype_is_float (moe_tensor_get_dtype (t)))
+    typed = g_steal_pointer (&t);
+  else
+    typed = moe_tensor_to_dtype (t, dtype, &error);
+  g_assert_no_error (error);
+  if (device == NULL)
+    return g_steal_pointer (&typed);
+  out = moe_tensor_to_device (typed, device, &error);
+  g_assert_no_error (error);
+  return out;
+}
+
+/* Loads an experts fixture; with @device the experts, hidden states,
+ * index and routing weights live there and the reference stays on the CPU. */
+static void
+case_load (Case *c, const char *name, MoeDType dtype, MoeDevice *device)
+{
+  g_autoptr(GError) error = NULL;
+  g_autofree char *file = g_strconcat (name, ".safetensors", NULL);
+  g_autofree char *path = moe_test_data_path ("experts", file, NULL);
+  g_autoptr(MoeTensor) up = NULL, down = NULL;
+  g_autofree char *act = NULL;
+
+  c->ck = moe_checkpoint_open (path, &error);
+  g_assert_no_error (error);
+  up = tensor (c->ck, "up_weight", dtype, device);
+  down = tensor (c->ck, "down_weight", dtype, device);
+  c->experts = moe_experts_new (up, down);
+  if (device != NULL)
+    moe_experts_set_device (c->experts, moe_device_get_name (device));
+  act = metadata (c->ck, "act");
+  moe_experts_set_activation (c->experts, g_strstrip (act));
+  moe_experts_set_has_gate (c->experts, metadata_true (c->ck, "has_gate"));
+  moe_experts_set_is_transposed (c->experts, metadata_true (c->ck, "is_transposed"));
+  if (metadata_true (c->ck, "interleaved_clamped_swiglu"))
+    moe_experts_set_gate_layout (c->experts, MOE_GATE_LAYOUT_INTERLEAVED);
+  if (moe_checkpoint_has_tensor (c->ck, "up_bias"))
+    {
+      g_autoptr(MoeTensor) ub = tensor (c->ck, "up_bias", dtype, device);
+      g_autoptr(MoeTensor) db = tensor (c->ck, "down_bias", dtype, device);
+      moe_experts_set_up_bias (c->experts, ub);
+      moe_experts_set_down_bias (c->experts, db);
+    }
+  g_assert_true (moe_experts_validate (c->experts, &error));
+  g_assert_no_error (error);
+
+  c->hidden = tensor (c->ck, "hidden_states", dtype, device);
+  c->index = tensor (c->ck, "top_k_index", dtype, device);
+  c->weights = tensor (c->ck, "top_k_weights", MOE_DTYPE_F32, device);
+  c->reference = tensor (c->ck, "output_f64", MOE_DTYPE_F64, NULL);
+}
+
+static void
+case_clear (Case *c)
+{
+  g_clear_object (&c->ck);
+  g_clear_object (&c->experts);
+  g_clear_object (&c->hidden);
+  g_clear_object (&c->index);
+  g_clear_object (&c->weights);
+  g_clear_object (&c->reference);
+}
+

@@ -1,0 +1,330 @@
+/* test-cuda-experts.c: the experts backends on the "cuda" device against
+ * transformers' fixtures
+ *
+ * Exits 77 (skipped) where there is no CUDA device, or where libmoe was
+ * built without CUDA; any other failure to open the device fails.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include <string.h>
+#include <libmoe.h>
+#include <moe-plugin.h>
+
+#include "moe-test-util.h"
+#include "moe-test-experts-fixture.h"
+
+static MoeDevice *cuda;
+
+static const char *fixtures[] = {
+  "silu_concat", "silu_decode_t1", "gelu_concat", "relu_ungated",
+  "gptoss_bias_transposed_interleaved", "silu_sentinel", "silu_many_tokens",
+};
+
+static const char *backends[] = { "eager", "batched_mm", "grouped_mm" };
+
+static MoeTensor *
+forward (MoeExperts *experts, const char *backend, MoeTensor *hidden, MoeTensor *index,
+         MoeTensor *weights)
+{
+  g_autoptr(GError) error = NULL;
+  MoeTensor *out;
+
+  moe_experts_set_implementation (experts, backend);
+  out = moe_experts_forward (experts, hidden, index, weights, &error);
+  g_assert_no_error (error);
+  g_assert_true (moe_tensor_get_device (out) == cuda);
+  g_assert_true (moe_tensor_has_shape (out, moe_tensor_get_shape (hidden, NULL), 2));
+  g_assert_cmpint (moe_tensor_get_dtype (out), ==, moe_tensor_get_dtype (hidden));
+  return out;
+}
+
+static void
+check_fixture (const char *name, MoeDType dtype, double tolerance)
+{
+  Case c = { 0, };
+
+  case_load (&c, name, dtype, cuda);
+  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
+    {
+      g_autoptr(MoeTensor) out = forward (c.experts, backends[i], c.hidden, c.index, c.weights);
+      double err = moe_test_rel_error (out, c.reference);
+      g_test_message ("cuda %s %s %s: rel err %.3g", name, moe_dtype_get_name (dtype), backends[i], err);
+      g_assert_cmpfloat (err, <=, tolerance);
+    }
+  case_clear (&c);
+}
+
+static void
+test_fixture_f32 (gconstpointer data)
+{
+  check_fixture (data, MOE_DTYPE_F32, 1e-5);
+}
+
+static void
+test_fixture_bf16 (gconstpointer data)
+{
+  check_fixture (data, MOE_DTYPE_BF16, 2e-2);
+}
+
+static void
+test_fixture_f16 (gconstpointer data)
+{
+  check_fixture (data, MOE_DTYPE_F16, 2e-2);
+}
+
+/* The sentinel slot's routing weight poisoned: computing it would show. */
+static void
+test_sentinel (void)
+{
+  Case c = { 0, };
+  g_autoptr(GBytes) ib = NULL, wb = NULL;
+  g_autoptr(MoeTensor) host_w = NULL;
+  const gint64 *ids;
+  float *w;
+  gint64 n, E;
+  gboolean found = FALSE;
+
+  case_load (&c, "silu_sentinel", MOE_DTYPE_F32, cuda);
+  E = moe_experts_get_num_experts (c.experts);
+  n = moe_tensor_get_n_elements (c.index);
+  ib = moe_tensor_dup_bytes (c.index, NULL);
+  wb = moe_tensor_dup_bytes (c.weights, NULL);
+  ids = g_bytes_get_data (ib, NULL);
+  w = g_memdup2 (g_bytes_get_data (wb, NULL), g_bytes_get_size (wb));
+  for (gint64 i = 0; i < n; i++)
+    if (ids[i] == E)
+      w[i] = 1000.0f, found = TRUE;
+  g_assert_true (found);
+  {
+    g_autoptr(GBytes) poisoned = g_bytes_new_take (w, n * sizeof (float));
+    host_w = moe_tensor_new_from_bytes (MOE_DTYPE_F32, moe_tensor_get_shape (c.index, NULL), 2, poisoned, NULL);
+  }
+  g_clear_object (&c.weights);
+  c.weights = moe_tensor_to_device (host_w, cuda, NULL);
+  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
+    {
+      g_autoptr(MoeTensor) out = forward (c.experts, backends[i], c.hidden, c.index, c.weights);
+      g_assert_cmpfloat (moe_test_rel_error (out, c.reference), <=, 1e-5);
+    }
+  case_clear (&c);
+}
+
+/* I32 ids arrive on the host after the core's check; the device copies them. */
+static void
+test_int32_index (void)
+{
+  Case c = { 0, };
+  g_autoptr(GBytes) ib = NULL;
+  g_autoptr(MoeTensor) i32 = NULL;
+  const gint64 *ids;
+  gint32 *small;
+  gint64 n;
+
+  case_load (&c, "silu_concat", MOE_DTYPE_F32, cuda);
+  n = moe_tensor_get_n_elements (c.index);
+  ib = moe_tensor_dup_bytes (c.index, NULL);
+  ids = g_bytes_get_data (ib, NULL);
+  small = g_new (gint32, n);
+  for (gint64 i = 0; i < n; i++)
+    small[i] = (gint32) ids[i];
+  {
+    g_autoptr(GBytes) b = g_bytes_new_take (small, n * sizeof (gint32));
+    g_autoptr(MoeTensor) host = moe_tensor_new_from_bytes (MOE_DTYPE_I32, moe_tensor_get_shape (c.index, NULL), 2, b, NULL);
+    i32 = moe_tensor_to_device (host, cuda, NULL);
+  }
+  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
+    {
+      g_autoptr(MoeTensor) out = forward (c.experts, backends[i], c.hidden, i32, c.weights);
+      g_assert_cmpfloat (moe_test_rel_error (out, c.reference), <=, 1e-5);
+    }
+  case_clear (&c);
+}
+
+static void
+expect_error (MoeExperts *experts, MoeTensor *hidden, MoeTensor *index, MoeTensor *weights,
+              MoeError code, const char *substring)
+{
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeTensor) out = moe_experts_forward (experts, hidden, index, weights, &error);
+
+  g_assert_null (out);
+  g_assert_error (error, MOE_ERROR, (int) code);
+  g_test_message ("%s", error->message);
+  g_assert_nonnull (strstr (error->message, substring));
+}
+
+static void
+test_errors (void)
+{
+  Case c = { 0, };
+  g_autoptr(MoeTensor) host_hidden = NULL, bf16_hidden = NULL, bad_ids = NULL;
+
+  case_load (&c, "silu_concat", MOE_DTYPE_F32, cuda);
+  moe_experts_set_implementation (c.experts, "grouped_mm");
+
+  /* hidden states left on the host */
+  host_hidden = moe_tensor_to_device (c.hidden, moe_device_get_cpu (), NULL);
+  expect_error (c.experts, host_hidden, c.index, c.weights, MOE_ERROR_INVALID_ARGUMENT, "cuda");
+
+  /* hidden states in another dtype than the weights */
+  {
+    g_autoptr(MoeTensor) b = moe_tensor_to_dtype (c.hidden, MOE_DTYPE_BF16, NULL);
+    bf16_hidden = moe_tensor_to_device (b, cuda, NULL);
+  }
+  expect_error (c.experts, bf16_hidden, c.index, c.weights, MOE_ERROR_DTYPE_MISMATCH, "F32");
+
+  /* an id past the sentinel, checked before any kernel runs */
+  {
+    g_autoptr(GBytes) ib = moe_tensor_dup_bytes (c.index, NULL);
+    gint64 *ids = g_memdup2 (g_bytes_get_data (ib, NULL), g_bytes_get_size (ib));
+    g_autoptr(GBytes) b = NULL;
+    g_autoptr(MoeTensor) host = NULL;
+    ids[3] = moe_experts_get_num_experts (c.experts) + 1;
+    b = g_bytes_new_take (ids, g_bytes_get_size (ib));
+    host = moe_tensor_new_from_bytes (MOE_DTYPE_I64, moe_tensor_get_shape (c.index, NULL), 2, b, NULL);
+    bad_ids = moe_tensor_to_device (host, cuda, NULL);
+  }
+  expect_error (c.experts, c.hidden, bad_ids, c.weights, MOE_ERROR_INVALID_ARGUMENT, "valid expert ids");
+
+  /* and the experts still work */
+  {
+    g_autoptr(MoeTensor) out = forward (c.experts, "grouped_mm", c.hidden, c.index, c.weights);
+    g_assert_cmpfloat (moe_test_rel_error (out, c.reference), <=, 1e-5);
+  }
+  case_clear (&c);
+}
+
+/* Random experts of shapes the fixtures lack: a bf16 one whose sizes are not
+ * multiples of 8 (the plain-float GEMM path) and a larger one on the tensor
+ * cores, each backend against the CPU's grouped_mm (itself checked against
+ * the fixtures above). */
+static MoeTensor *
+random_tensor (GRand *rand, MoeDType dtype, const gint64 *shape, guint n_dims, float scale)
+{
+  gint64 n = 1;
+  float *data;
+  g_autoptr(GBytes) bytes = NULL;
+  g_autoptr(MoeTensor) f32 = NULL;
+
+  for (guint i = 0; i < n_dims; i++)
+    n *= shape[i];
+  data = g_new (float, n);
+  for (gint64 i = 0; i < n; i++)
+    data[i] = (float) g_rand_double_range (rand, -scale, scale);
+  bytes = g_bytes_new_take (data, n * sizeof (float));
+  f32 = moe_tensor_new_from_bytes (MOE_DTYPE_F32, shape, n_dims, bytes, NULL);
+  return moe_tensor_to_dtype (f32, dtype, NULL);
+}
+
+static void
+check_random (gint64 E, gint64 H, gint64 I, gint64 T, gint64 K, gboolean transposed)
+{
+  g_autoptr(GRand) rand = g_rand_new_with_seed ((guint32) (E * 1000003 + H * 101 + I + T + transposed));
+  gint64 up_shape[3] = { E, transposed ? H : 2 * I, transposed ? 2 * I : H };
+  gint64 down_shape[3] = { E, transposed ? I : H, transposed ? H : I };
+  gint64 x_shape[2] = { T, H }, k_shape[2] = { T, K };
+  g_autoptr(MoeTensor) up = random_tensor (rand, MOE_DTYPE_BF16, up_shape, 3, 0.1f);
+  g_autoptr(MoeTensor) down = random_tensor (rand, MOE_DTYPE_BF16, down_shape, 3, 0.1f);
+  g_autoptr(MoeTensor) x = random_tensor (rand, MOE_DTYPE_BF16, x_shape, 2, 1.0f);
+  g_autoptr(MoeTensor) w = random_tensor (rand, MOE_DTYPE_F32, k_shape, 2, 1.0f);
+  g_autoptr(MoeTensor) ids = NULL, cpu_out = NULL;
+  g_autoptr(MoeExperts) cpu_experts = moe_experts_new (up, down);
+  g_autoptr(MoeExperts) gpu_experts = NULL;
+  g_autoptr(MoeTensor) dup = moe_tensor_to_device (up, cuda, NULL);
+  g_autoptr(MoeTensor) ddown = moe_tensor_to_device (down, cuda, NULL);
+  g_autoptr(MoeTensor) dx = moe_tensor_to_device (x, cuda, NULL);
+  g_autoptr(MoeTensor) dw = moe_tensor_to_device (w, cuda, NULL);
+  g_autoptr(MoeTensor) dids = NULL;
+  g_autoptr(GError) error = NULL;
+
+  {
+    gint64 *v = g_new (gint64, T * K);
+    g_autoptr(GBytes) b = NULL;
+    for (gint64 i = 0; i < T * K; i++)
+      v[i] = g_rand_int_range (rand, 0, (gint32) E + 1);   /* sentinels too */
+    b = g_bytes_new_take (v, T * K * sizeof (gint64));
+    ids = moe_tensor_new_from_bytes (MOE_DTYPE_I64, k_shape, 2, b, NULL);
+    dids = moe_tensor_to_device (ids, cuda, NULL);
+  }
+  moe_experts_set_is_transposed (cpu_experts, transposed);
+  moe_experts_set_implementation (cpu_experts, "grouped_mm");
+  cpu_out = moe_experts_forward (cpu_experts, x, ids, w, &error);
+  g_assert_no_error (error);
+
+  gpu_experts = moe_experts_new (dup, ddown);
+  moe_experts_set_is_transposed (gpu_experts, transposed);
+  moe_experts_set_device (gpu_experts, "cuda");
+  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
+    {
+      g_autoptr(MoeTensor) out = forward (gpu_experts, backends[i], dx, dids, dw);
+      double err = moe_test_rel_error (out, cpu_out);
+      g_test_message ("random E=%" G_GINT64_FORMAT " H=%" G_GINT64_FORMAT " I=%" G_GINT64_FORMAT
+                      " T=%" G_GINT64_FORMAT " %s: rel err vs CPU %.3g",
+                      E, H, I, T, backends[i], err);
+      g_assert_cmpfloat (err, <=, 2e-2);
+    }
+}
+
+static void
+test_random_odd_sizes (void)
+{
+  check_random (6, 100, 36, 77, 3, FALSE);
+  check_random (5, 60, 20, 40, 2, TRUE);
+}
+
+static void
+test_random_large (void)
+{
+  check_random (16, 512, 384, 1000, 4, FALSE);
+  check_random (8, 256, 128, 300, 2, TRUE);
+}
+
+/* Freed blocks come back from the device's cache. */
+static void
+test_allocator_reuses (void)
+{
+  gint64 n = 3 << 20;
+  gconstpointer first;
+  {
+    g_autoptr(MoeTensor) a = moe_tensor_new_empty (cuda, MOE_DTYPE_U8, &n, 1, NULL);
+    first = moe_tensor_get_data (a);
+  }
+  {
+    g_autoptr(MoeTensor) b = moe_tensor_new_empty (cuda, MOE_DTYPE_U8, &n, 1, NULL);
+    g_assert_true (moe_tensor_get_data (b) == first);
+  }
+}
+
+int
+main (int argc, char *argv[])
+{
+  g_autoptr(GError) error = NULL;
+
+  g_test_init (&argc, &argv, NULL);
+
+  cuda = moe_device_get_for_name ("cuda", &error);
+  if (cuda == NULL)
+    {
+      /* no GPU (or no CUDA build) is a skip; a plugin that fails otherwise is not */
+      g_printerr ("%s\n", error->message);
+      return g_error_matches (error, MOE_ERROR, MOE_ERROR_NO_DEVICE) ? 77 : 1;
+    }
+
+  for (guint i = 0; i < G_N_ELEMENTS (fixtures); i++)
+    {
+      g_autofree char *p32 = g_strdup_printf ("/cuda/experts/f32/%s", fixtures[i]);
+      g_autofree char *p16 = g_strdup_printf ("/cuda/experts/bf16/%s", fixtures[i]);
+      g_autofree char *ph = g_strdup_printf ("/cuda/experts/f16/%s", fixtures[i]);
+      g_test_add_data_func (p32, fixtures[i], test_fixture_f32);
+      g_test_add_data_func (p16, fixtures[i], test_fixture_bf16);
+      g_test_add_data_func (ph, fixtures[i], test_fixture_f16);
+    }
+  g_test_add_func ("/cuda/experts/sentinel", test_sentinel);
+  g_test_add_func ("/cuda/experts/int32-index", test_int32_index);
+  g_test_add_func ("/cuda/experts/errors", test_errors);
+  g_test_add_func ("/cuda/experts/random-odd-sizes", test_random_odd_sizes);
+  g_test_add_func ("/cuda/experts/random-large", test_random_large);
+  g_test_add_func ("/cuda/allocator-reuses", test_allocator_reuses);
+
+  return g_test_run ();
+}
