@@ -1,0 +1,40 @@
+#!/bin/sh
+# gpu-bundle.sh: build libmoe with CUDA (in _build-gpu) and pack what the GPU
+# machine needs into _gpu/bundle.tar.xz: libmoe, the plugins, the GPU tests,
+# the CPU experts test, the benchmark and the moe CLI, plus every shared
+# library they link that the GPU machine lacks (GLib, GObject, GIO, GModule,
+# json-glib, OpenBLAS and theirs; not libc, the C++ runtime or CUDA's, which
+# it has). tools/gpu-run.sh unpacks and runs it there:
+#
+#   tools/gpu-bundle.sh
+#   (on the GPU machine, with _gpu carried)  tools/gpu-run.sh test
+#
+# SPDX-License-Identifier: LGPL-2.1-or-later
+set -eu
+cd "$(dirname "$0")/.."
+
+build=_build-gpu
+[ -f "$build/build.ninja" ] || meson setup "$build" -Dcuda=enabled -Dintrospection=disabled \
+  -Dexamples=false -Dbuildtype=release >/dev/null
+ninja -C "$build" >/dev/null
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+stage="$tmp/moe-gpu"
+mkdir -p "$stage/lib" "$stage/plugins" "$stage/bin"
+cp -L "$build/libmoe/libmoe-1.so.0" "$stage/lib/"
+for p in eager batched_mm grouped_mm cuda; do
+  cp "$build/plugins/$p/libmoe-$p.so" "$build/plugins/$p/$p.plugin" "$stage/plugins/"
+done
+cp "$build/tests/gpu/test-cuda-experts" "$build/tests/c/test-experts" \
+   "$build/tools/moe-bench-cuda-experts" "$build/cli/moe" "$stage/bin/"
+
+for f in "$stage"/lib/* "$stage"/plugins/*.so "$stage"/bin/*; do ldd "$f"; done |
+  awk '/=> \// { print $3 }' | sort -u |
+  grep -v -E '/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|libcudart|libcublas|libcublasLt|libmoe-1)\.so' |
+  while read -r lib; do cp -L "$lib" "$stage/lib/"; done
+
+mkdir -p _gpu
+tar -C "$tmp" -cJf _gpu/bundle.tar.xz moe-gpu
+git rev-parse --short HEAD > _gpu/commit
+echo "_gpu/bundle.tar.xz: $(du -h _gpu/bundle.tar.xz | cut -f1), commit $(cat _gpu/commit)$(git diff --quiet HEAD || echo ' + uncommitted changes')"

@@ -1,0 +1,55 @@
+#!/bin/sh
+# gpu-run.sh: on the GPU machine, unpack _gpu/bundle.tar.xz (tools/gpu-bundle.sh)
+# into /tmp/moe-gpu and run
+#
+#   tools/gpu-run.sh test           the gpu suite (tests/gpu) and the CPU
+#                                   experts test, with the environment meson
+#                                   test gives them; prints "N passed, N failed,
+#                                   N skipped" and exits non-zero on a failure
+#   tools/gpu-run.sh bench [ARGS]   tools/bench-experts-cuda.py ARGS
+#
+# The machine has CUDA and cuBLAS but no GLib: the bundle carries GLib.
+#
+# SPDX-License-Identifier: LGPL-2.1-or-later
+set -u
+cd "$(dirname "$0")/.."
+
+root=/tmp/moe-gpu
+rm -rf "$root"
+tar -C /tmp -xJf _gpu/bundle.tar.xz || exit 1
+export LD_LIBRARY_PATH="$root/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export MOE_PLUGIN_PATH="$root/plugins" MOE_PLUGIN_SYSTEM_PATH= MOE_TEST_DATA="$PWD/tests/data"
+export G_DEBUG=gc-friendly MALLOC_CHECK_=2
+echo "bundle of commit $(cat _gpu/commit 2>/dev/null || echo '?')"
+
+what=${1:-test}
+[ $# -gt 0 ] && shift
+case "$what" in
+  test)
+    passed=0 failed=0 skipped=0
+    for t in test-cuda-experts test-experts; do
+      "$root/bin/$t" --tap > "/tmp/$t.log" 2>&1
+      rc=$?
+      grep -E '^(not )?ok ' "/tmp/$t.log" | grep -v '^ok ' || true
+      n_ok=$(grep -c -E '^ok ' "/tmp/$t.log")
+      if [ $rc -eq 77 ]; then
+        echo "$t: SKIP ($(tail -1 "/tmp/$t.log"))"
+        skipped=$((skipped + 1))
+      elif [ $rc -eq 0 ]; then
+        echo "$t: OK ($n_ok subtests passed)"
+        passed=$((passed + 1))
+      else
+        echo "$t: FAIL (exit $rc)"; tail -30 "/tmp/$t.log"
+        failed=$((failed + 1))
+      fi
+      [ -n "${OUT:-}" ] && cp "/tmp/$t.log" "$OUT/"
+    done
+    echo "$passed passed, $failed failed, $skipped skipped"
+    [ $failed -eq 0 ] && [ $passed -gt 0 ]
+    ;;
+  bench)
+    PYTHONUNBUFFERED=1 exec python3 tools/bench-experts-cuda.py --libmoe-bench "$root/bin/moe-bench-cuda-experts" "$@"
+    ;;
+  *)
+    echo "usage: $0 test | bench [ARGS]" >&2; exit 2 ;;
+esac
