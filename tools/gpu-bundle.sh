@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 build=_build-gpu
 [ -f "$build/build.ninja" ] || meson setup "$build" -Dcuda=enabled -Dintrospection=disabled \
-  -Dexamples=false -Dbuildtype=release >/dev/null
+  -Dexamples=false -Dbuildtype=debugoptimized >/dev/null
 ninja -C "$build" >/dev/null
 
 tmp=$(mktemp -d)

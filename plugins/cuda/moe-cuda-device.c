@@ -76,8 +76,11 @@ release_cached_locked (MoeCudaDevice *self)
 
   g_hash_table_iter_init (&iter, self->free_blocks);
   while (g_hash_table_iter_next (&iter, NULL, &list))
-    for (GSList *l = list; l != NULL; l = l->next)
-      cudaFree (l->data);
+    {
+      for (GSList *l = list; l != NULL; l = l->next)
+        cudaFree (l->data);
+      g_slist_free (list);
+    }
   g_hash_table_remove_all (self->free_blocks);
 }
 
@@ -364,7 +367,8 @@ moe_cuda_device_init (MoeCudaDevice *self)
 
   g_mutex_init (&self->lock);
   self->in_use = g_hash_table_new (g_direct_hash, g_direct_equal);
-  self->free_blocks = g_hash_table_new_full (g_direct_hash, g_direct_equal, NULL, (GDestroyNotify) g_slist_free);
+  /* no value destroy func: the lists are replaced by their own updated heads */
+  self->free_blocks = g_hash_table_new (g_direct_hash, g_direct_equal);
 
   err = cudaSetDevice (0);
   if (err == cudaSuccess)
