@@ -19,6 +19,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cublas_v2.h>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -128,7 +129,7 @@ __global__ void
 route_count (const int64_t *ids, int S, int E, int *counts)
 {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < S && ids[i] < E)
+  if (i < S && (unsigned long long) ids[i] < (unsigned long long) E)
     atomicAdd (&counts[ids[i]], 1);
 }
 
@@ -172,7 +173,7 @@ __global__ void
 route_scatter (const int64_t *ids, int S, int E, const int *offsets, int *cursor, int *sorted_pair)
 {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < S && ids[i] < E)
+  if (i < S && (unsigned long long) ids[i] < (unsigned long long) E)
     sorted_pair[offsets[ids[i]] + atomicAdd (&cursor[ids[i]], 1)] = i;
 }
 
@@ -276,15 +277,24 @@ tile_epilogue (const MoeCudaExperts &p, const Route &r, const float *cs, int ldc
     }
 }
 
-/* Tensor-core version (bf16/f16): mma.sync m16n8k16, ldmatrix, a 3-stage
- * cp.async pipeline. Needs H and I multiples of 8 (16-byte rows). */
-constexpr int TC_BM = 128, TC_BN = 128, TC_BK = 32, TC_STAGES = 3, TC_PAD = 8;
-constexpr int TC_LDA = TC_BK + TC_PAD;            /* A and K-major B: [row][k] */
-constexpr int TC_LDBN = TC_BN + TC_PAD;           /* N-major B: [k][col] */
-constexpr int TC_LDC = TC_BN + 4;
-constexpr size_t TC_SMEM_PIPE = (size_t) TC_STAGES * (TC_BM * TC_LDA + TC_BN * TC_LDA) * 2;
-constexpr size_t TC_SMEM_EPI = (size_t) TC_BM * TC_LDC * 4;
-constexpr size_t TC_SMEM = TC_SMEM_PIPE > TC_SMEM_EPI ? TC_SMEM_PIPE : TC_SMEM_EPI;
+/* Tensor-core version (bf16/f16): mma.sync m16n8k16, ldmatrix, a cp.async
+ * pipeline. Needs H and I multiples of 8 (16-byte rows). The m-tile follows
+ * the rows per expert (see pick_tc_tile): a decode step gives each expert a
+ * row or two, and a 128-row tile would multiply zeros 99% of the time. */
+template <int BM_, int WM_, int BK_, int STAGES_>
+struct TcTile {
+  static constexpr int BM = BM_, BN = 128, BK = BK_, STAGES = STAGES_;
+  static constexpr int WM = WM_, WN = 8 / WM_;             /* 8 warps */
+  static constexpr int MI = BM / WM / 16, NI = BN / WN / 8; /* mma tiles per warp */
+  static constexpr int LDA = BK + 8;                         /* A and K-major B: [row][k] */
+  static constexpr int LDBN = BN + 8;                        /* N-major B: [k][col] */
+  static constexpr int LDC = BN + 4;
+  static constexpr int B_STAGE = BN * LDA > BK * LDBN ? BN * LDA : BK * LDBN;
+  static constexpr size_t PIPE = (size_t) STAGES * (BM * LDA + B_STAGE) * 2;
+  static constexpr size_t EPI = (size_t) BM * LDC * 4;
+  static constexpr size_t SMEM = PIPE > EPI ? PIPE : EPI;
+  static_assert (NI % 2 == 0, "B fragments load two n8 tiles at a time");
+};
 
 __device__ __forceinline__ void
 cp_async16 (void *smem, const void *gmem, bool valid)
@@ -322,63 +332,63 @@ mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-template <typename T, int MODE, bool KMAJOR>
+template <typename T, int MODE, bool KMAJOR, typename C>
 __global__ void __launch_bounds__ (256)
 grouped_gemm_tc (MoeCudaExperts p, Route r, const T *a_base, T *dst)
 {
   extern __shared__ __align__ (16) unsigned char smem[];
-  __shared__ int a_row[TC_BM];
+  __shared__ int a_row[C::BM];
   T *as = (T *) smem;
-  T *bs = as + TC_STAGES * TC_BM * TC_LDA;
+  T *bs = as + C::STAGES * C::BM * C::LDA;
   const int nt = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = warp / 4, wn = warp % 4;
+  const int wm = warp / C::WN, wn = warp % C::WN;
   const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
   const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
   Tile t;
 
-  if (!find_tile (r, p.num_experts, TC_BM, blockIdx.x, &t))
+  if (!find_tile (r, p.num_experts, C::BM, blockIdx.x, &t))
     return;
-  for (int i = threadIdx.x; i < TC_BM; i += blockDim.x)
+  for (int i = threadIdx.x; i < C::BM; i += blockDim.x)
     a_row[i] = i < t.rows ? (MODE == MODE_DOWN ? t.row0 + i : r.sorted_pair[t.row0 + i] / p.top_k) : -1;
   __syncthreads ();
 
   const T *w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) t.e * nw * K;
-  const int ktiles = (K + TC_BK - 1) / TC_BK;
+  const int ktiles = (K + C::BK - 1) / C::BK;
 
   auto load_stage = [&] (int stage, int kt) {
-    int k0 = kt * TC_BK;
-    T *sa = as + stage * TC_BM * TC_LDA;
-    T *sb = bs + stage * TC_BN * TC_LDA;
-    for (int c = threadIdx.x; c < TC_BM * (TC_BK / 8); c += blockDim.x)
+    int k0 = kt * C::BK;
+    T *sa = as + stage * C::BM * C::LDA;
+    T *sb = bs + stage * C::B_STAGE;
+    for (int c = threadIdx.x; c < C::BM * (C::BK / 8); c += blockDim.x)
       {
-        int row = c / (TC_BK / 8), k = (c % (TC_BK / 8)) * 8;
+        int row = c / (C::BK / 8), k = (c % (C::BK / 8)) * 8;
         bool ok = a_row[row] >= 0 && k0 + k < K;
         const T *src = ok ? a_base + (size_t) a_row[row] * K + k0 + k : a_base;
-        cp_async16 (sa + row * TC_LDA + k, src, ok);
+        cp_async16 (sa + row * C::LDA + k, src, ok);
       }
     if (KMAJOR)
-      for (int c = threadIdx.x; c < TC_BN * (TC_BK / 8); c += blockDim.x)
+      for (int c = threadIdx.x; c < C::BN * (C::BK / 8); c += blockDim.x)
         {
-          int col = c / (TC_BK / 8), k = (c % (TC_BK / 8)) * 8;
-          int wr = tile_weight_row<MODE> (p, TC_BN, nt, col);
+          int col = c / (C::BK / 8), k = (c % (C::BK / 8)) * 8;
+          int wr = tile_weight_row<MODE> (p, C::BN, nt, col);
           bool ok = wr >= 0 && k0 + k < K;
           const T *src = ok ? w + (size_t) wr * K + k0 + k : w;
-          cp_async16 (sb + col * TC_LDA + k, src, ok);
+          cp_async16 (sb + col * C::LDA + k, src, ok);
         }
     else
-      for (int c = threadIdx.x; c < TC_BK * (TC_BN / 8); c += blockDim.x)
+      for (int c = threadIdx.x; c < C::BK * (C::BN / 8); c += blockDim.x)
         {
-          int k = c / (TC_BN / 8), col = (c % (TC_BN / 8)) * 8;
-          int wr = tile_weight_row<MODE> (p, TC_BN, nt, col);
+          int k = c / (C::BN / 8), col = (c % (C::BN / 8)) * 8;
+          int wr = tile_weight_row<MODE> (p, C::BN, nt, col);
           bool ok = wr >= 0 && k0 + k < K;
           const T *src = ok ? w + (size_t) (k0 + k) * nw + wr : w;
-          cp_async16 (sb + k * TC_LDBN + col, src, ok);
+          cp_async16 (sb + k * C::LDBN + col, src, ok);
         }
   };
 
-  float acc[4][4][4] = {};
+  float acc[C::MI][C::NI][4] = {};
 
-  for (int s = 0; s < TC_STAGES - 1; s++)
+  for (int s = 0; s < C::STAGES - 1; s++)
     {
       if (s < ktiles)
         load_stage (s, s);
@@ -387,47 +397,41 @@ grouped_gemm_tc (MoeCudaExperts p, Route r, const T *a_base, T *dst)
 
   for (int kt = 0; kt < ktiles; kt++)
     {
-      asm volatile ("cp.async.wait_group %0;\n" :: "n"(TC_STAGES - 2));
+      asm volatile ("cp.async.wait_group %0;\n" :: "n"(C::STAGES - 2));
       __syncthreads ();
-      if (kt + TC_STAGES - 1 < ktiles)
-        load_stage ((kt + TC_STAGES - 1) % TC_STAGES, kt + TC_STAGES - 1);
+      if (kt + C::STAGES - 1 < ktiles)
+        load_stage ((kt + C::STAGES - 1) % C::STAGES, kt + C::STAGES - 1);
       asm volatile ("cp.async.commit_group;\n");
 
-      const T *sa = as + (kt % TC_STAGES) * TC_BM * TC_LDA;
-      const T *sb = bs + (kt % TC_STAGES) * TC_BN * TC_LDA;
+      const T *sa = as + (kt % C::STAGES) * C::BM * C::LDA;
+      const T *sb = bs + (kt % C::STAGES) * C::B_STAGE;
 #pragma unroll
-      for (int ks = 0; ks < TC_BK; ks += 16)
+      for (int ks = 0; ks < C::BK; ks += 16)
         {
-          unsigned a[4][4], b[4][2];
+          unsigned a[C::MI][4], b[C::NI][2];
+          const int mat = lane / 8;
 #pragma unroll
-          for (int mi = 0; mi < 4; mi++)
+          for (int mi = 0; mi < C::MI; mi++)
             {
-              int mat = lane / 8;
-              int row = wm * 64 + mi * 16 + (mat % 2) * 8 + lane % 8;
-              ldmatrix_x4 (a[mi], sa + row * TC_LDA + ks + (mat / 2) * 8, false);
+              int row = wm * (C::BM / C::WM) + mi * 16 + (mat % 2) * 8 + lane % 8;
+              ldmatrix_x4 (a[mi], sa + row * C::LDA + ks + (mat / 2) * 8, false);
             }
 #pragma unroll
-          for (int nj = 0; nj < 2; nj++)
+          for (int nj = 0; nj < C::NI / 2; nj++)
             {
-              int mat = lane / 8;
+              const int col0 = wn * (C::BN / C::WN) + nj * 16;
               unsigned q[4];
               if (KMAJOR)
-                {
-                  int col = wn * 32 + nj * 16 + (mat / 2) * 8 + lane % 8;
-                  ldmatrix_x4 (q, sb + col * TC_LDA + ks + (mat % 2) * 8, false);
-                }
+                ldmatrix_x4 (q, sb + (col0 + (mat / 2) * 8 + lane % 8) * C::LDA + ks + (mat % 2) * 8, false);
               else
-                {
-                  int k = ks + (mat % 2) * 8 + lane % 8;
-                  ldmatrix_x4 (q, sb + k * TC_LDBN + wn * 32 + nj * 16 + (mat / 2) * 8, true);
-                }
+                ldmatrix_x4 (q, sb + (ks + (mat % 2) * 8 + lane % 8) * C::LDBN + col0 + (mat / 2) * 8, true);
               b[2 * nj][0] = q[0], b[2 * nj][1] = q[1];
               b[2 * nj + 1][0] = q[2], b[2 * nj + 1][1] = q[3];
             }
 #pragma unroll
-          for (int mi = 0; mi < 4; mi++)
+          for (int mi = 0; mi < C::MI; mi++)
 #pragma unroll
-            for (int ni = 0; ni < 4; ni++)
+            for (int ni = 0; ni < C::NI; ni++)
               mma16816<T> (acc[mi][ni], a[mi], b[ni]);
         }
     }
@@ -436,18 +440,19 @@ grouped_gemm_tc (MoeCudaExperts p, Route r, const T *a_base, T *dst)
 
   float *cs = (float *) smem;
 #pragma unroll
-  for (int mi = 0; mi < 4; mi++)
+  for (int mi = 0; mi < C::MI; mi++)
 #pragma unroll
-    for (int ni = 0; ni < 4; ni++)
+    for (int ni = 0; ni < C::NI; ni++)
       {
-        int row = wm * 64 + mi * 16 + lane / 4, col = wn * 32 + ni * 8 + (lane % 4) * 2;
-        cs[row * TC_LDC + col] = acc[mi][ni][0];
-        cs[row * TC_LDC + col + 1] = acc[mi][ni][1];
-        cs[(row + 8) * TC_LDC + col] = acc[mi][ni][2];
-        cs[(row + 8) * TC_LDC + col + 1] = acc[mi][ni][3];
+        int row = wm * (C::BM / C::WM) + mi * 16 + lane / 4;
+        int col = wn * (C::BN / C::WN) + ni * 8 + (lane % 4) * 2;
+        cs[row * C::LDC + col] = acc[mi][ni][0];
+        cs[row * C::LDC + col + 1] = acc[mi][ni][1];
+        cs[(row + 8) * C::LDC + col] = acc[mi][ni][2];
+        cs[(row + 8) * C::LDC + col + 1] = acc[mi][ni][3];
       }
   __syncthreads ();
-  tile_epilogue<T, MODE> (p, r, cs, TC_LDC, TC_BM, TC_BN, nt, t, dst);
+  tile_epilogue<T, MODE> (p, r, cs, C::LDC, C::BM, C::BN, nt, t, dst);
 }
 
 /* Plain float version: f32, and shapes the tensor-core path does not take. */
@@ -553,14 +558,15 @@ rowwise (MoeCudaExperts p, T *h, T *y)
 {
   extern __shared__ float xs[];
   const int pair = blockIdx.x, E = p.num_experts;
-  const int e = (int) p.ids[pair];
+  const long long id = p.ids[pair];
+  const int e = (int) id;
   const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
   const int n_out = MODE == MODE_DOWN ? p.hidden : p.inter;
   const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
   const T *src = MODE == MODE_DOWN ? h + (size_t) pair * p.inter : (const T *) p.x + (size_t) (pair / p.top_k) * p.hidden;
   const T *w;
 
-  if (e >= E)
+  if ((unsigned long long) id >= (unsigned long long) E)
     return;
   for (int k = threadIdx.x; k < K; k += blockDim.x)
     xs[k] = to_f (src[k]);
@@ -626,14 +632,26 @@ template <typename T>
 __global__ void
 combine (MoeCudaExperts p, const T *y)
 {
-  const int t = blockIdx.x, K = p.top_k, H = p.hidden;
+  const int t = blockIdx.x, K = p.top_k, H = p.hidden, E = p.num_experts;
+  /* the ids are checked here, on the device: a bad one is reported to the
+   * host through mapped memory and read at its next synchronization */
+  if (threadIdx.x < K)
+    {
+      long long id = p.ids[(size_t) t * K + threadIdx.x];
+      if (id < 0 || id > E)
+        {
+          p.bad_id[1] = id;
+          p.bad_id[0] = (long long) t * K + threadIdx.x + 1;
+          __threadfence_system ();
+        }
+    }
   for (int n = threadIdx.x; n < H; n += blockDim.x)
     {
       float acc = 0.0f;
       for (int k = 0; k < K; k++)
         {
           size_t pair = (size_t) t * K + k;
-          if (p.ids[pair] < p.num_experts)
+          if ((unsigned long long) p.ids[pair] < (unsigned long long) E)
             acc += to_f (y[pair * H + n]) * load_any (p.routing, p.routing_dtype, pair);
         }
       ((T *) p.out)[(size_t) t * H + n] = from_f<T> (acc);
@@ -735,38 +753,80 @@ launch_combine (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   return nullptr;
 }
 
+/* Sorts the rows by expert on the device, m-tiles of bm rows. */
+void
+route (const MoeCudaExperts &p, const Workspace &w, int bm, cudaStream_t s)
+{
+  const int S = p.tokens * p.top_k, E = p.num_experts;
+
+  cudaMemsetAsync (w.r.counts, 0, 2 * E * sizeof (int), s);
+  route_count<<<(S + 255) / 256, 256, 0, s>>> (p.ids, S, E, w.r.counts);
+  route_scan<<<1, 1024, 0, s>>> (w.r.counts, E, bm, w.r.offsets, w.r.tile_start);
+  route_scatter<<<(S + 255) / 256, 256, 0, s>>> (p.ids, S, E, w.r.offsets, w.r.cursor, w.r.sorted_pair);
+}
+
+/* TEMPORARY tuning knob for one measurement round: MOE_CUDA_TUNE=1 picks
+ * BK=64 for the 128-row tile. */
+int
+tune_big_tile ()
+{
+  static int v = -1;
+  if (v < 0)
+    {
+      const char *e = getenv ("MOE_CUDA_TUNE");
+      v = e != nullptr ? atoi (e) : 0;
+    }
+  return v;
+}
+
+/* Routes, then runs both grouped GEMMs with tile config C (m-tile C::BM). */
+template <typename T, typename C>
+const char *
+run_grouped_tc (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  const int S = p.tokens * p.top_k, E = p.num_experts;
+  const long m_slots = (S + C::BM - 1) / C::BM + (long) (E < S ? E : S);
+  const int outs = p.has_gate ? C::BN / 2 : C::BN;
+  dim3 grid_gu (m_slots, (p.inter + outs - 1) / outs), grid_dn (m_slots, (p.hidden + C::BN - 1) / C::BN);
+  auto k_gu = p.transposed ? grouped_gemm_tc<T, MODE_GATE_UP, false, C> : grouped_gemm_tc<T, MODE_GATE_UP, true, C>;
+  auto k_dn = p.transposed ? grouped_gemm_tc<T, MODE_DOWN, false, C> : grouped_gemm_tc<T, MODE_DOWN, true, C>;
+
+  route (p, w, C::BM, s);
+  cudaFuncSetAttribute (k_gu, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
+  cudaFuncSetAttribute (k_dn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
+  k_gu<<<grid_gu, 256, C::SMEM, s>>> (p, w.r, (const T *) p.x, (T *) w.h);
+  k_dn<<<grid_dn, 256, C::SMEM, s>>> (p, w.r, (const T *) w.h, (T *) w.y);
+  return launch_combine<T> (p, w, s);
+}
+
 template <typename T>
 const char *
 run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
   const int S = p.tokens * p.top_k, E = p.num_experts;
-  const bool tc = sizeof (T) == 2 && p.hidden % 8 == 0 && p.inter % 8 == 0;
-  const int bm = tc ? TC_BM : SI_BM, bn = tc ? TC_BN : SI_BN;
-  const int outs = p.has_gate ? bn / 2 : bn;
-  const long m_slots = (S + bm - 1) / bm + (long) (E < S ? E : S);
 
-  if (cudaMemsetAsync (w.r.counts, 0, 2 * E * sizeof (int), s) != cudaSuccess)
-    return "cudaMemsetAsync failed";
-  route_count<<<(S + 255) / 256, 256, 0, s>>> (p.ids, S, E, w.r.counts);
-  route_scan<<<1, 1024, 0, s>>> (w.r.counts, E, bm, w.r.offsets, w.r.tile_start);
-  route_scatter<<<(S + 255) / 256, 256, 0, s>>> (p.ids, S, E, w.r.offsets, w.r.cursor, w.r.sorted_pair);
-
-  dim3 grid_gu (m_slots, (p.inter + outs - 1) / outs), grid_dn (m_slots, (p.hidden + bn - 1) / bn);
-  const T *x = (const T *) p.x;
-  T *h = (T *) w.h, *y = (T *) w.y;
   if constexpr (sizeof (T) == 2)
-    if (tc)
+    if (p.hidden % 8 == 0 && p.inter % 8 == 0)
       {
-        auto k_gu = p.transposed ? grouped_gemm_tc<T, MODE_GATE_UP, false> : grouped_gemm_tc<T, MODE_GATE_UP, true>;
-        auto k_dn = p.transposed ? grouped_gemm_tc<T, MODE_DOWN, false> : grouped_gemm_tc<T, MODE_DOWN, true>;
-        cudaFuncSetAttribute (k_gu, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) TC_SMEM);
-        cudaFuncSetAttribute (k_dn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) TC_SMEM);
-        k_gu<<<grid_gu, 256, TC_SMEM, s>>> (p, w.r, x, h);
-        k_dn<<<grid_dn, 256, TC_SMEM, s>>> (p, w.r, h, y);
-        return launch_combine<T> (p, w, s);
+        /* rows per expert that is hit, about */
+        const int per_expert = S / (E < S ? E : S);
+        if (per_expert <= 16)
+          return run_grouped_tc<T, TcTile<16, 1, 32, 4>> (p, w, s);
+        if (per_expert <= 32)
+          return run_grouped_tc<T, TcTile<32, 2, 32, 4>> (p, w, s);
+        if (per_expert <= 64)
+          return run_grouped_tc<T, TcTile<64, 2, 32, 4>> (p, w, s);
+        if (tune_big_tile () == 1)
+          return run_grouped_tc<T, TcTile<128, 2, 64, 3>> (p, w, s);
+        return run_grouped_tc<T, TcTile<128, 2, 32, 3>> (p, w, s);
       }
-  grouped_gemm_simt<T, MODE_GATE_UP><<<grid_gu, 256, 0, s>>> (p, w.r, x, h);
-  grouped_gemm_simt<T, MODE_DOWN><<<grid_dn, 256, 0, s>>> (p, w.r, h, y);
+
+  const long m_slots = (S + SI_BM - 1) / SI_BM + (long) (E < S ? E : S);
+  const int outs = p.has_gate ? SI_BN / 2 : SI_BN;
+  dim3 grid_gu (m_slots, (p.inter + outs - 1) / outs), grid_dn (m_slots, (p.hidden + SI_BN - 1) / SI_BN);
+  route (p, w, SI_BM, s);
+  grouped_gemm_simt<T, MODE_GATE_UP><<<grid_gu, 256, 0, s>>> (p, w.r, (const T *) p.x, (T *) w.h);
+  grouped_gemm_simt<T, MODE_DOWN><<<grid_dn, 256, 0, s>>> (p, w.r, (const T *) w.h, (T *) w.y);
   return launch_combine<T> (p, w, s);
 }
 

@@ -31,9 +31,11 @@ typedef struct {
   const void *up, *down;              /* [E, 2I, H] and [E, H, I], or transposed */
   const void *up_bias, *down_bias;    /* [E, 2I] and [E, H], or NULL */
   const void *x;                      /* [T, H] */
-  const int64_t *ids;                 /* [T, K] on the device, every id in [0, E] */
+  const int64_t *ids;                 /* [T, K] on the device; ids outside [0, E] are
+                                         skipped and reported through bad_id */
   const void *routing;                /* [T, K] */
   void *out;                          /* [T, H] */
+  long long *bad_id;                  /* mapped host memory: {t * K + k + 1, id} of a bad id */
 } MoeCudaExperts;
 
 /* Bytes of scratch device memory a schedule needs. */

@@ -775,7 +775,15 @@ _moe_experts_check_inputs (MoeExperts  *self,
       }
   }
 
-  /* The ids are checked on the host: a bad id would read out of bounds. */
+  /* I64 ids on a device are checked there, as the kernels run, so that a
+   * forward never waits for the device (see moe_experts_forward()). */
+  if (id == MOE_DTYPE_I64 && !moe_device_is_cpu (moe_tensor_get_device (top_k_index)))
+    {
+      *index_out = g_object_ref (top_k_index);
+      return TRUE;
+    }
+
+  /* Elsewhere on the host: a bad id would read out of bounds. */
   host = moe_tensor_dup_bytes (top_k_index, error);
   if (host == NULL)
     return FALSE;
@@ -823,6 +831,14 @@ _moe_experts_check_inputs (MoeExperts  *self,
  * Runs the experts through the backend named by `implementation`:
  * `out[t] = Σ_k w[t,k] · down_e(act(gate_e(x[t])) · up_e(x[t]))` with
  * `e = top_k_index[t,k]`.
+ *
+ * On a device other than the CPU the work is queued and this returns
+ * without waiting for it. I64 ids living on such a device are then checked
+ * by the device itself: a bad id leaves its slot out and makes the next
+ * call that waits for the device (reading a result, such as
+ * moe_tensor_dup_bytes(), or moe_device_synchronize()) fail with
+ * %MOE_ERROR_INVALID_ARGUMENT naming it. Ids on the CPU are checked before
+ * anything runs.
  *
  * Returns: (transfer full): `[T, H]` in the dtype of @hidden_states
  */

@@ -29,7 +29,13 @@ struct _MoeCudaDevice
   cublasHandle_t  cublas;
   char           *init_error;    /* why the stream or cuBLAS could not be made */
 
-  GMutex          lock;          /* the allocator's tables and the cuBLAS handle */
+  /* the experts kernels check the ids on the device and report the first
+   * bad one here (mapped host memory), read at the next synchronization */
+  volatile long long *bad_id;    /* {t * K + k + 1, id}, or {0, …} */
+  long long      *bad_id_device;
+  int             bad_id_experts, bad_id_top_k;   /* of the latest forward */
+
+  GMutex          lock;          /* the allocator's tables, the cuBLAS handle, bad_id */
   GHashTable     *in_use;        /* device pointer -> its size class */
   GHashTable     *free_blocks;   /* size class -> GSList of device pointers */
 };
@@ -169,6 +175,30 @@ cuda_copy_from_host (MoeDevice      *device,
                      "copy to the device", error);
 }
 
+/* After a synchronization: reports (once) a bad id a kernel saw. */
+static gboolean
+check_bad_id (MoeCudaDevice  *self,
+              GError        **error)
+{
+  long long pos, id;
+  int E, K;
+
+  g_mutex_lock (&self->lock);
+  pos = self->bad_id[0];
+  id = self->bad_id[1];
+  E = self->bad_id_experts;
+  K = MAX (self->bad_id_top_k, 1);
+  self->bad_id[0] = 0;
+  g_mutex_unlock (&self->lock);
+  if (pos == 0)
+    return TRUE;
+  g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
+               "An experts forward on cuda got top_k_index[%lld, %lld] = %lld; valid expert ids are "
+               "0…%d, and %d for a slot that contributes nothing (that forward's output is wrong: "
+               "the slot was left out)", (pos - 1) / K, (pos - 1) % K, id, E - 1, E);
+  return FALSE;
+}
+
 static gboolean
 cuda_copy_to_host (MoeDevice      *device,
                    gpointer        dst,
@@ -181,7 +211,8 @@ cuda_copy_to_host (MoeDevice      *device,
   return device_ready (self, error) &&
          cuda_check (cudaMemcpyAsync (dst, src, size, cudaMemcpyDeviceToHost, self->stream),
                      "copy to the host", error) &&
-         cuda_check (cudaStreamSynchronize (self->stream), "the work before a copy to the host", error);
+         cuda_check (cudaStreamSynchronize (self->stream), "the work before a copy to the host", error) &&
+         check_bad_id (self, error);
 }
 
 static gboolean
@@ -191,7 +222,8 @@ cuda_synchronize (MoeDevice  *device,
   MoeCudaDevice *self = MOE_CUDA_DEVICE (device);
 
   return device_ready (self, error) &&
-         cuda_check (cudaStreamSynchronize (self->stream), "synchronize", error);
+         cuda_check (cudaStreamSynchronize (self->stream), "synchronize", error) &&
+         check_bad_id (self, error);
 }
 
 static gboolean
@@ -274,9 +306,23 @@ cuda_run_experts (MoeDevice           *device,
     return NULL;
   if (schedule == MOE_EXPERTS_SCHEDULE_PER_EXPERT)
     {
+      /* this schedule reads the routing on the host anyway: check it now */
+      const gint64 *v;
+      gint64 n = moe_tensor_get_n_elements (top_k_index), E = moe_experts_get_num_experts (experts);
       host_ids = moe_tensor_dup_bytes (top_k_index, error);
       if (host_ids == NULL)
         return NULL;
+      v = g_bytes_get_data (host_ids, NULL);
+      for (gint64 i = 0; i < n; i++)
+        if (v[i] < 0 || v[i] > E)
+          {
+            gint64 K = moe_tensor_get_dim (top_k_index, 1);
+            g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
+                         "top_k_index[%" G_GINT64_FORMAT ", %" G_GINT64_FORMAT "] is %" G_GINT64_FORMAT
+                         "; valid expert ids are 0…%" G_GINT64_FORMAT ", and %" G_GINT64_FORMAT
+                         " for a slot that contributes nothing", i / K, i % K, v[i], E - 1, E);
+            return NULL;
+          }
     }
 
   e.dtype = dtype;
@@ -299,6 +345,7 @@ cuda_run_experts (MoeDevice           *device,
   e.x = moe_tensor_get_data (hidden_states);
   e.ids = moe_tensor_get_data (ids);
   e.routing = moe_tensor_get_data (top_k_weights);
+  e.bad_id = self->bad_id_device;
 
   out = moe_tensor_new_empty (device, dtype, moe_tensor_get_shape (hidden_states, NULL), 2, error);
   if (out == NULL)
@@ -312,6 +359,8 @@ cuda_run_experts (MoeDevice           *device,
   }
 
   g_mutex_lock (&self->lock);
+  self->bad_id_experts = e.num_experts;
+  self->bad_id_top_k = e.top_k;
   msg = moe_cuda_experts_run (&e, schedule, host_ids ? g_bytes_get_data (host_ids, NULL) : NULL,
                               moe_tensor_get_mutable_data (workspace), self->cublas, self->stream);
   g_mutex_unlock (&self->lock);
@@ -335,6 +384,7 @@ moe_cuda_device_finalize (GObject *object)
       release_cached_locked (self);
       cublasDestroy (self->cublas);
       cudaStreamDestroy (self->stream);
+      cudaFreeHost ((gpointer) self->bad_id);
     }
   g_hash_table_unref (self->in_use);
   g_hash_table_unref (self->free_blocks);
@@ -373,6 +423,13 @@ moe_cuda_device_init (MoeCudaDevice *self)
   err = cudaSetDevice (0);
   if (err == cudaSuccess)
     err = cudaStreamCreateWithFlags (&self->stream, cudaStreamNonBlocking);
+  if (err == cudaSuccess)
+    err = cudaHostAlloc ((void **) &self->bad_id, 2 * sizeof (long long), cudaHostAllocMapped);
+  if (err == cudaSuccess)
+    {
+      self->bad_id[0] = 0;
+      err = cudaHostGetDevicePointer ((void **) &self->bad_id_device, (void *) self->bad_id, 0);
+    }
   if (err != cudaSuccess)
     {
       self->init_error = g_strdup_printf ("CUDA: could not set up the device: %s", cudaGetErrorString (err));

@@ -173,18 +173,36 @@ test_errors (void)
   }
   expect_error (c.experts, bf16_hidden, c.index, c.weights, MOE_ERROR_DTYPE_MISMATCH, "F32");
 
-  /* an id past the sentinel, checked before any kernel runs */
+  /* an id past the sentinel, and a negative one */
   {
     g_autoptr(GBytes) ib = moe_tensor_dup_bytes (c.index, NULL);
     gint64 *ids = g_memdup2 (g_bytes_get_data (ib, NULL), g_bytes_get_size (ib));
     g_autoptr(GBytes) b = NULL;
     g_autoptr(MoeTensor) host = NULL;
     ids[3] = moe_experts_get_num_experts (c.experts) + 1;
+    ids[6] = -2;
     b = g_bytes_new_take (ids, g_bytes_get_size (ib));
     host = moe_tensor_new_from_bytes (MOE_DTYPE_I64, moe_tensor_get_shape (c.index, NULL), 2, b, NULL);
     bad_ids = moe_tensor_to_device (host, cuda, NULL);
   }
+  /* eager reads the routing on the host: it refuses at once */
+  moe_experts_set_implementation (c.experts, "eager");
   expect_error (c.experts, c.hidden, bad_ids, c.weights, MOE_ERROR_INVALID_ARGUMENT, "valid expert ids");
+  /* the others never wait for the device: the next synchronization says it */
+  for (guint i = 1; i < G_N_ELEMENTS (backends); i++)
+    {
+      g_autoptr(GError) error = NULL;
+      g_autoptr(MoeTensor) out = forward (c.experts, backends[i], c.hidden, bad_ids, c.weights);
+      g_autoptr(GBytes) bytes = moe_tensor_dup_bytes (out, &error);
+      g_assert_null (bytes);
+      g_assert_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT);
+      g_test_message ("%s: %s", backends[i], error->message);
+      g_assert_nonnull (strstr (error->message, "valid expert ids"));
+      g_clear_error (&error);
+      /* reported once */
+      g_assert_true (moe_device_synchronize (cuda, &error));
+      g_assert_no_error (error);
+    }
 
   /* and the experts still work */
   {
