@@ -125,56 +125,55 @@ struct Route {
   int *sorted_pair; /* [S]: sorted row -> t * K + k */
 };
 
-__global__ void
-route_count (const int64_t *ids, int S, int E, int *counts)
-{
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < S && (unsigned long long) ids[i] < (unsigned long long) E)
-    atomicAdd (&counts[ids[i]], 1);
-}
-
-/* One block: exclusive scans of the counts and of the m-tiles per expert. */
+/* One block sorts every (token, slot) row by expert: zero the counts, count,
+ * scan the counts and the m-tiles per expert, scatter. One launch: at
+ * decode sizes the launches, not the work, are what costs. */
 __global__ void __launch_bounds__ (1024)
-route_scan (const int *counts, int E, int bm, int *offsets, int *tile_start)
+route (const int64_t *ids, int S, int E, int bm, Route r)
 {
   __shared__ int rows_sum[1024], tiles_sum[1024];
-  int per = (E + blockDim.x - 1) / blockDim.x;
-  int lo = threadIdx.x * per, hi = min (lo + per, E);
+  const int n = blockDim.x, tid = threadIdx.x;
+  const int per = (E + n - 1) / n, lo = tid * per, hi = min (lo + per, E);
   int rows = 0, tiles = 0;
 
-  for (int e = lo; e < hi; e++)
-    rows += counts[e], tiles += (counts[e] + bm - 1) / bm;
-  rows_sum[threadIdx.x] = rows;
-  tiles_sum[threadIdx.x] = tiles;
+  for (int e = tid; e < E; e += n)
+    r.counts[e] = 0, r.cursor[e] = 0;
   __syncthreads ();
-  for (int step = 1; step < (int) blockDim.x; step *= 2)
+  for (int i = tid; i < S; i += n)
+    if ((unsigned long long) ids[i] < (unsigned long long) E)
+      atomicAdd (&r.counts[ids[i]], 1);
+  __syncthreads ();
+
+  for (int e = lo; e < hi; e++)
+    rows += r.counts[e], tiles += (r.counts[e] + bm - 1) / bm;
+  rows_sum[tid] = rows;
+  tiles_sum[tid] = tiles;
+  __syncthreads ();
+  for (int step = 1; step < n; step *= 2)
     {
-      int r = threadIdx.x >= step ? rows_sum[threadIdx.x - step] : 0;
-      int t = threadIdx.x >= step ? tiles_sum[threadIdx.x - step] : 0;
+      int a = tid >= step ? rows_sum[tid - step] : 0;
+      int b = tid >= step ? tiles_sum[tid - step] : 0;
       __syncthreads ();
-      rows_sum[threadIdx.x] += r;
-      tiles_sum[threadIdx.x] += t;
+      rows_sum[tid] += a;
+      tiles_sum[tid] += b;
       __syncthreads ();
     }
-  rows = rows_sum[threadIdx.x] - rows;
-  tiles = tiles_sum[threadIdx.x] - tiles;
+  rows = rows_sum[tid] - rows;
+  tiles = tiles_sum[tid] - tiles;
   for (int e = lo; e < hi; e++)
     {
-      offsets[e] = rows;
-      tile_start[e] = tiles;
-      rows += counts[e];
-      tiles += (counts[e] + bm - 1) / bm;
+      r.offsets[e] = rows;
+      r.tile_start[e] = tiles;
+      rows += r.counts[e];
+      tiles += (r.counts[e] + bm - 1) / bm;
     }
-  if (threadIdx.x == blockDim.x - 1)
-    offsets[E] = rows_sum[threadIdx.x], tile_start[E] = tiles_sum[threadIdx.x];
-}
+  if (tid == n - 1)
+    r.offsets[E] = rows_sum[tid], r.tile_start[E] = tiles_sum[tid];
+  __syncthreads ();
 
-__global__ void
-route_scatter (const int64_t *ids, int S, int E, const int *offsets, int *cursor, int *sorted_pair)
-{
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < S && (unsigned long long) ids[i] < (unsigned long long) E)
-    sorted_pair[offsets[ids[i]] + atomicAdd (&cursor[ids[i]], 1)] = i;
+  for (int i = tid; i < S; i += n)
+    if ((unsigned long long) ids[i] < (unsigned long long) E)
+      r.sorted_pair[r.offsets[ids[i]] + atomicAdd (&r.cursor[ids[i]], 1)] = i;
 }
 
 /* ---- grouped GEMM -------------------------------------------------------
@@ -334,19 +333,21 @@ mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
 
 template <typename T, int MODE, bool KMAJOR, typename C>
 __global__ void __launch_bounds__ (256)
-grouped_gemm_tc (MoeCudaExperts p, Route r, const T *a_base, T *dst)
+grouped_gemm_tc (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_tiles)
 {
   extern __shared__ __align__ (16) unsigned char smem[];
   __shared__ int a_row[C::BM];
   T *as = (T *) smem;
   T *bs = as + C::STAGES * C::BM * C::LDA;
-  const int nt = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  /* n-tiles fastest: the CTAs in flight share their m-tile's rows of A */
+  const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp / C::WN, wn = warp % C::WN;
   const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
   const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
   Tile t;
 
-  if (!find_tile (r, p.num_experts, C::BM, blockIdx.x, &t))
+  if (!find_tile (r, p.num_experts, C::BM, mt, &t))
     return;
   for (int i = threadIdx.x; i < C::BM; i += blockDim.x)
     a_row[i] = i < t.rows ? (MODE == MODE_DOWN ? t.row0 + i : r.sorted_pair[t.row0 + i] / p.top_k) : -1;
@@ -460,17 +461,18 @@ constexpr int SI_BM = 64, SI_BN = 64, SI_BK = 16, SI_LDC = SI_BN + 1;
 
 template <typename T, int MODE>
 __global__ void __launch_bounds__ (256)
-grouped_gemm_simt (MoeCudaExperts p, Route r, const T *a_base, T *dst)
+grouped_gemm_simt (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_tiles)
 {
   __shared__ float sa[SI_BK][SI_BM], sb[SI_BK][SI_BN];
   __shared__ float cs[SI_BM * SI_LDC];
   __shared__ int a_row[SI_BM], w_row[SI_BN];
-  const int nt = blockIdx.y, tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
   const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
   Tile t;
 
-  if (!find_tile (r, p.num_experts, SI_BM, blockIdx.x, &t))
+  if (!find_tile (r, p.num_experts, SI_BM, mt, &t))
     return;
   for (int i = threadIdx.x; i < SI_BM; i += blockDim.x)
     a_row[i] = i < t.rows ? (MODE == MODE_DOWN ? t.row0 + i : r.sorted_pair[t.row0 + i] / p.top_k) : -1;
@@ -526,29 +528,65 @@ grouped_gemm_simt (MoeCudaExperts p, Route r, const T *a_base, T *dst)
  * 16-byte loads along K. Transposed weights: 32 outputs per block, the
  * eight warps split K. */
 
-template <typename T>
-__device__ __forceinline__ float
-dot_row (const T *w, const float *x, int K, int lane)
+/* Dot products of one or two weight rows with x (float, in shared memory),
+ * by one warp: four 16-byte loads per row in flight per lane. */
+template <typename T, bool TWO>
+__device__ __forceinline__ void
+dot_rows (const T *w0, const T *w1, const float *x, int K, int lane, float *s0, float *s1)
 {
-  float s = 0.0f;
+  float a = 0.0f, b = 0.0f;
   if (K % 8 == 0 && sizeof (T) == 2)
     {
-      for (int k = lane * 8; k < K; k += 256)
+      constexpr int U = 4;
+      for (int k0 = lane * 8; k0 < K; k0 += 256 * U)
         {
-          uint4 v = *(const uint4 *) (w + k);
-          const T *e = (const T *) &v;
+          uint4 v0[U], v1[U];
 #pragma unroll
-          for (int q = 0; q < 8; q++)
-            s += to_f (e[q]) * x[k + q];
+          for (int u = 0; u < U; u++)
+            {
+              int k = k0 + u * 256;
+              if (k < K)
+                {
+                  v0[u] = __ldg ((const uint4 *) (w0 + k));
+                  if (TWO)
+                    v1[u] = __ldg ((const uint4 *) (w1 + k));
+                }
+            }
+#pragma unroll
+          for (int u = 0; u < U; u++)
+            {
+              int k = k0 + u * 256;
+              if (k >= K)
+                break;
+              const T *e0 = (const T *) &v0[u];
+              const T *e1 = (const T *) &v1[u];
+#pragma unroll
+              for (int q = 0; q < 8; q++)
+                {
+                  a += to_f (e0[q]) * x[k + q];
+                  if (TWO)
+                    b += to_f (e1[q]) * x[k + q];
+                }
+            }
         }
     }
   else
     for (int k = lane; k < K; k += 32)
-      s += to_f (w[k]) * x[k];
+      {
+        a += to_f (w0[k]) * x[k];
+        if (TWO)
+          b += to_f (w1[k]) * x[k];
+      }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2)
-    s += __shfl_xor_sync (0xffffffffu, s, o);
-  return s;
+    {
+      a += __shfl_xor_sync (0xffffffffu, a, o);
+      if (TWO)
+        b += __shfl_xor_sync (0xffffffffu, b, o);
+    }
+  *s0 = a;
+  if (TWO)
+    *s1 = b;
 }
 
 /* One output of one row: the gate/up pair for MODE_GATE_UP, one row else. */
@@ -581,16 +619,23 @@ rowwise (MoeCudaExperts p, T *h, T *y)
         return;
       if (MODE == MODE_DOWN)
         {
-          float s = dot_row (w + (size_t) o * K, xs, K, lane);
+          float sum;
+          dot_rows<T, false> (w + (size_t) o * K, nullptr, xs, K, lane, &sum, nullptr);
           if (lane == 0)
-            y[(size_t) pair * p.hidden + o] = from_f<T> (down_finish<T> (p, e, o, s));
+            y[(size_t) pair * p.hidden + o] = from_f<T> (down_finish<T> (p, e, o, sum));
         }
       else
         {
           int gr, ur;
+          float g, u;
           gate_up_rows (p, o, &gr, &ur);
-          float u = dot_row (w + (size_t) ur * K, xs, K, lane);
-          float g = p.has_gate ? dot_row (w + (size_t) gr * K, xs, K, lane) : u;
+          if (p.has_gate)
+            dot_rows<T, true> (w + (size_t) gr * K, w + (size_t) ur * K, xs, K, lane, &g, &u);
+          else
+            {
+              dot_rows<T, false> (w + (size_t) ur * K, nullptr, xs, K, lane, &u, nullptr);
+              g = u;
+            }
           if (lane == 0)
             h[(size_t) pair * p.inter + o] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, g, u));
         }
@@ -629,33 +674,60 @@ rowwise (MoeCudaExperts p, T *h, T *y)
 /* ---- combine: out[t] = Σ_k w[t,k] · y[t*K + k], in slot order --------- */
 
 template <typename T>
-__global__ void
+__global__ void __launch_bounds__ (256)
 combine (MoeCudaExperts p, const T *y)
 {
+  __shared__ float wk[64];
+  __shared__ int live[64];
   const int t = blockIdx.x, K = p.top_k, H = p.hidden, E = p.num_experts;
+  constexpr int V = 16 / sizeof (T);
+
   /* the ids are checked here, on the device: a bad one is reported to the
    * host through mapped memory and read at its next synchronization */
-  if (threadIdx.x < K)
+  for (int k = threadIdx.x; k < K; k += blockDim.x)
     {
-      long long id = p.ids[(size_t) t * K + threadIdx.x];
+      long long id = p.ids[(size_t) t * K + k];
       if (id < 0 || id > E)
         {
           p.bad_id[1] = id;
-          p.bad_id[0] = (long long) t * K + threadIdx.x + 1;
+          p.bad_id[0] = (long long) t * K + k + 1;
           __threadfence_system ();
         }
+      live[k] = (unsigned long long) id < (unsigned long long) E;
+      wk[k] = load_any (p.routing, p.routing_dtype, (size_t) t * K + k);
     }
-  for (int n = threadIdx.x; n < H; n += blockDim.x)
-    {
-      float acc = 0.0f;
-      for (int k = 0; k < K; k++)
-        {
-          size_t pair = (size_t) t * K + k;
-          if ((unsigned long long) p.ids[pair] < (unsigned long long) E)
-            acc += to_f (y[pair * H + n]) * load_any (p.routing, p.routing_dtype, pair);
-        }
-      ((T *) p.out)[(size_t) t * H + n] = from_f<T> (acc);
-    }
+  __syncthreads ();
+
+  T *out = (T *) p.out + (size_t) t * H;
+  if (H % V == 0)
+    for (int n = threadIdx.x * V; n < H; n += blockDim.x * V)
+      {
+        float acc[V] = {};
+        for (int k = 0; k < K; k++)
+          if (live[k])
+            {
+              uint4 v = *(const uint4 *) (y + ((size_t) t * K + k) * H + n);
+              const T *e = (const T *) &v;
+#pragma unroll
+              for (int q = 0; q < V; q++)
+                acc[q] += to_f (e[q]) * wk[k];
+            }
+        uint4 o;
+        T *oe = (T *) &o;
+#pragma unroll
+        for (int q = 0; q < V; q++)
+          oe[q] = from_f<T> (acc[q]);
+        *(uint4 *) (out + n) = o;
+      }
+  else
+    for (int n = threadIdx.x; n < H; n += blockDim.x)
+      {
+        float acc = 0.0f;
+        for (int k = 0; k < K; k++)
+          if (live[k])
+            acc += to_f (y[((size_t) t * K + k) * H + n]) * wk[k];
+        out[n] = from_f<T> (acc);
+      }
 }
 
 /* ---- per expert (eager): host routing, cuBLAS ---------------------------- */
@@ -753,32 +825,6 @@ launch_combine (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   return nullptr;
 }
 
-/* Sorts the rows by expert on the device, m-tiles of bm rows. */
-void
-route (const MoeCudaExperts &p, const Workspace &w, int bm, cudaStream_t s)
-{
-  const int S = p.tokens * p.top_k, E = p.num_experts;
-
-  cudaMemsetAsync (w.r.counts, 0, 2 * E * sizeof (int), s);
-  route_count<<<(S + 255) / 256, 256, 0, s>>> (p.ids, S, E, w.r.counts);
-  route_scan<<<1, 1024, 0, s>>> (w.r.counts, E, bm, w.r.offsets, w.r.tile_start);
-  route_scatter<<<(S + 255) / 256, 256, 0, s>>> (p.ids, S, E, w.r.offsets, w.r.cursor, w.r.sorted_pair);
-}
-
-/* TEMPORARY tuning knob for one measurement round: MOE_CUDA_TUNE=1 picks
- * BK=64 for the 128-row tile. */
-int
-tune_big_tile ()
-{
-  static int v = -1;
-  if (v < 0)
-    {
-      const char *e = getenv ("MOE_CUDA_TUNE");
-      v = e != nullptr ? atoi (e) : 0;
-    }
-  return v;
-}
-
 /* Routes, then runs both grouped GEMMs with tile config C (m-tile C::BM). */
 template <typename T, typename C>
 const char *
@@ -787,15 +833,15 @@ run_grouped_tc (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   const int S = p.tokens * p.top_k, E = p.num_experts;
   const long m_slots = (S + C::BM - 1) / C::BM + (long) (E < S ? E : S);
   const int outs = p.has_gate ? C::BN / 2 : C::BN;
-  dim3 grid_gu (m_slots, (p.inter + outs - 1) / outs), grid_dn (m_slots, (p.hidden + C::BN - 1) / C::BN);
+  const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + C::BN - 1) / C::BN;
   auto k_gu = p.transposed ? grouped_gemm_tc<T, MODE_GATE_UP, false, C> : grouped_gemm_tc<T, MODE_GATE_UP, true, C>;
   auto k_dn = p.transposed ? grouped_gemm_tc<T, MODE_DOWN, false, C> : grouped_gemm_tc<T, MODE_DOWN, true, C>;
 
-  route (p, w, C::BM, s);
+  route<<<1, 1024, 0, s>>> (p.ids, S, E, C::BM, w.r);
   cudaFuncSetAttribute (k_gu, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
   cudaFuncSetAttribute (k_dn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
-  k_gu<<<grid_gu, 256, C::SMEM, s>>> (p, w.r, (const T *) p.x, (T *) w.h);
-  k_dn<<<grid_dn, 256, C::SMEM, s>>> (p, w.r, (const T *) w.h, (T *) w.y);
+  k_gu<<<m_slots * nt_gu, 256, C::SMEM, s>>> (p, w.r, (const T *) p.x, (T *) w.h, nt_gu);
+  k_dn<<<m_slots * nt_dn, 256, C::SMEM, s>>> (p, w.r, (const T *) w.h, (T *) w.y, nt_dn);
   return launch_combine<T> (p, w, s);
 }
 
@@ -811,22 +857,20 @@ run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
         /* rows per expert that is hit, about */
         const int per_expert = S / (E < S ? E : S);
         if (per_expert <= 16)
-          return run_grouped_tc<T, TcTile<16, 1, 32, 4>> (p, w, s);
+          return run_grouped_tc<T, TcTile<16, 1, 64, 4>> (p, w, s);
         if (per_expert <= 32)
-          return run_grouped_tc<T, TcTile<32, 2, 32, 4>> (p, w, s);
+          return run_grouped_tc<T, TcTile<32, 2, 64, 4>> (p, w, s);
         if (per_expert <= 64)
-          return run_grouped_tc<T, TcTile<64, 2, 32, 4>> (p, w, s);
-        if (tune_big_tile () == 1)
-          return run_grouped_tc<T, TcTile<128, 2, 64, 3>> (p, w, s);
-        return run_grouped_tc<T, TcTile<128, 2, 32, 3>> (p, w, s);
+          return run_grouped_tc<T, TcTile<64, 2, 64, 4>> (p, w, s);
+        return run_grouped_tc<T, TcTile<128, 2, 64, 3>> (p, w, s);
       }
 
   const long m_slots = (S + SI_BM - 1) / SI_BM + (long) (E < S ? E : S);
   const int outs = p.has_gate ? SI_BN / 2 : SI_BN;
-  dim3 grid_gu (m_slots, (p.inter + outs - 1) / outs), grid_dn (m_slots, (p.hidden + SI_BN - 1) / SI_BN);
-  route (p, w, SI_BM, s);
-  grouped_gemm_simt<T, MODE_GATE_UP><<<grid_gu, 256, 0, s>>> (p, w.r, (const T *) p.x, (T *) w.h);
-  grouped_gemm_simt<T, MODE_DOWN><<<grid_dn, 256, 0, s>>> (p, w.r, (const T *) w.h, (T *) w.y);
+  const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + SI_BN - 1) / SI_BN;
+  route<<<1, 1024, 0, s>>> (p.ids, S, E, SI_BM, w.r);
+  grouped_gemm_simt<T, MODE_GATE_UP><<<m_slots * nt_gu, 256, 0, s>>> (p, w.r, (const T *) p.x, (T *) w.h, nt_gu);
+  grouped_gemm_simt<T, MODE_DOWN><<<m_slots * nt_dn, 256, 0, s>>> (p, w.r, (const T *) w.h, (T *) w.y, nt_dn);
   return launch_combine<T> (p, w, s);
 }
 
@@ -963,7 +1007,9 @@ moe_cuda_experts_run (const MoeCudaExperts *e,
   if (e->tokens == 0)
     return nullptr;
   if (e->num_experts > 1024 * 64)
-    return "too many experts";
+    return "too many experts (at most 65536)";
+  if (e->top_k > 64)
+    return "top-k above 64 is not supported";
   if (schedule == MOE_CUDA_PER_EXPERT && host_ids == nullptr)
     return "the per-expert schedule needs the ids on the host";
   carve (e, schedule, (unsigned char *) workspace, &w);
