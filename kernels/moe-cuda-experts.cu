@@ -456,6 +456,156 @@ grouped_gemm_tc (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_tiles
   tile_epilogue<T, MODE> (p, r, cs, C::LDC, C::BM, C::BN, nt, t, dst);
 }
 
+/* Hopper version (sm_90a) of the big-tile case: wgmma from shared memory
+ * laid out in the 128-byte swizzle, filled by cp.async (the A rows are
+ * gathered, which the bulk tensor copy does not do). Two warpgroups, each
+ * 64 rows × 128 columns of a 128 × 128 tile; K-major weights only. */
+constexpr int WG_BM = 128, WG_BN = 128, WG_BK = 64, WG_STAGES = 3;
+constexpr int WG_STAGE_BYTES = (WG_BM + WG_BN) * WG_BK * 2;
+constexpr size_t WG_SMEM_PIPE = (size_t) WG_STAGES * WG_STAGE_BYTES + 1024;   /* + alignment */
+constexpr size_t WG_SMEM_EPI = (size_t) WG_BM * (WG_BN + 4) * 4 + 1024;
+constexpr size_t WG_SMEM = WG_SMEM_PIPE > WG_SMEM_EPI ? WG_SMEM_PIPE : WG_SMEM_EPI;
+
+/* A K-major operand of 128-byte rows in the 128-byte swizzle: 8-row atoms
+ * 1024 bytes apart; the leading offset is unused in this layout. */
+[[maybe_unused]] __device__ __forceinline__ uint64_t
+wgmma_desc (const void *smem)
+{
+  uint32_t addr = (uint32_t) __cvta_generic_to_shared (smem);
+  return (uint64_t) ((addr & 0x3FFFF) >> 4) | (uint64_t) 1 << 16 | (uint64_t) (1024 >> 4) << 32 |
+         (uint64_t) 1 << 62;
+}
+
+/* Byte offset of 16-byte chunk c of row r in a swizzled tile of 128-byte rows. */
+[[maybe_unused]] __device__ __forceinline__ int
+swizzle128 (int r, int c)
+{
+  return r * 128 + ((c ^ (r % 8)) * 16);
+}
+
+template <typename T>
+__device__ __forceinline__ void
+wgmma_m64n128k16 (float d[64], uint64_t da, uint64_t db)
+{
+#if defined (__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    asm volatile ("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                  : "l"(da), "l"(db), "r"(1));
+  else
+    asm volatile ("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                  : "l"(da), "l"(db), "r"(1));
+#else
+  __trap ();
+#endif
+}
+
+template <typename T, int MODE>
+__global__ void __launch_bounds__ (256)
+grouped_gemm_wgmma (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_tiles)
+{
+#if defined (__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int a_row[WG_BM];
+  unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
+  const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
+  const int wg = threadIdx.x / 128, lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
+  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
+  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+  Tile t;
+
+  if (!find_tile (r, p.num_experts, WG_BM, mt, &t))
+    return;
+  for (int i = threadIdx.x; i < WG_BM; i += blockDim.x)
+    a_row[i] = i < t.rows ? (MODE == MODE_DOWN ? t.row0 + i : r.sorted_pair[t.row0 + i] / p.top_k) : -1;
+  __syncthreads ();
+
+  const T *w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) t.e * nw * K;
+  const int ktiles = (K + WG_BK - 1) / WG_BK;
+
+  auto stage_a = [&] (int stage) { return smem + stage * WG_STAGE_BYTES; };
+  auto stage_b = [&] (int stage) { return smem + stage * WG_STAGE_BYTES + WG_BM * WG_BK * 2; };
+  auto load_stage = [&] (int stage, int kt) {
+    int k0 = kt * WG_BK;
+    unsigned char *sa = stage_a (stage), *sb = stage_b (stage);
+    for (int c = threadIdx.x; c < WG_BM * 8; c += blockDim.x)
+      {
+        int row = c / 8, ch = c % 8, k = ch * 8;
+        bool ok = a_row[row] >= 0 && k0 + k < K;
+        const T *src = ok ? a_base + (size_t) a_row[row] * K + k0 + k : a_base;
+        cp_async16 (sa + swizzle128 (row, ch), src, ok);
+      }
+    for (int c = threadIdx.x; c < WG_BN * 8; c += blockDim.x)
+      {
+        int col = c / 8, ch = c % 8, k = ch * 8;
+        int wr = tile_weight_row<MODE> (p, WG_BN, nt, col);
+        bool ok = wr >= 0 && k0 + k < K;
+        const T *src = ok ? w + (size_t) wr * K + k0 + k : w;
+        cp_async16 (sb + swizzle128 (col, ch), src, ok);
+      }
+  };
+
+  float d[64];
+#pragma unroll
+  for (int i = 0; i < 64; i++)
+    d[i] = 0.0f;
+
+  for (int s = 0; s < WG_STAGES - 1; s++)
+    {
+      if (s < ktiles)
+        load_stage (s, s);
+      asm volatile ("cp.async.commit_group;\n");
+    }
+
+  for (int kt = 0; kt < ktiles; kt++)
+    {
+      asm volatile ("cp.async.wait_group %0;\n" :: "n"(WG_STAGES - 2));
+      /* the tensor cores read through the async proxy: order the copies first */
+      asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
+      __syncthreads ();
+
+      unsigned char *sa = stage_a (kt % WG_STAGES) + wg * 64 * 128;
+      unsigned char *sb = stage_b (kt % WG_STAGES);
+      asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int j = 0; j < WG_BK / 16; j++)
+        wgmma_m64n128k16<T> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
+      asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      /* the previous step's products are done: its stage may be refilled */
+      asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+      __syncthreads ();
+      if (kt + WG_STAGES - 1 < ktiles)
+        load_stage ((kt + WG_STAGES - 1) % WG_STAGES, kt + WG_STAGES - 1);
+      asm volatile ("cp.async.commit_group;\n");
+    }
+  asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  asm volatile ("cp.async.wait_group 0;\n");
+  __syncthreads ();
+
+  /* the m16n8 accumulator layout, once per n8 block, per warp of 16 rows */
+  float *cs = (float *) smem;
+  const int ldc = WG_BN + 4;
+#pragma unroll
+  for (int j = 0; j < WG_BN / 8; j++)
+    {
+      int row = wg * 64 + warp_in_wg * 16 + lane / 4, col = j * 8 + (lane % 4) * 2;
+      cs[row * ldc + col] = d[4 * j];
+      cs[row * ldc + col + 1] = d[4 * j + 1];
+      cs[(row + 8) * ldc + col] = d[4 * j + 2];
+      cs[(row + 8) * ldc + col + 1] = d[4 * j + 3];
+    }
+  __syncthreads ();
+  tile_epilogue<T, MODE> (p, r, cs, ldc, WG_BM, WG_BN, nt, t, dst);
+#else
+  __trap ();
+#endif
+}
+
 /* Plain float version: f32, and shapes the tensor-core path does not take. */
 constexpr int SI_BM = 64, SI_BN = 64, SI_BK = 16, SI_LDC = SI_BN + 1;
 
@@ -845,6 +995,43 @@ run_grouped_tc (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   return launch_combine<T> (p, w, s);
 }
 
+/* Whether the current device is a Hopper (compute capability 9.0), which the
+ * sm_90a code needs; read once. */
+bool
+device_is_sm90 ()
+{
+  static int major = -1;
+  if (major < 0)
+    {
+      int dev = 0;
+      cudaGetDevice (&dev);
+      if (cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+        major = 0;
+      int minor = 0;
+      cudaDeviceGetAttribute (&minor, cudaDevAttrComputeCapabilityMinor, dev);
+      if (minor != 0)
+        major = 0;
+    }
+  return major == 9;
+}
+
+template <typename T>
+const char *
+run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  const int S = p.tokens * p.top_k, E = p.num_experts;
+  const long m_slots = (S + WG_BM - 1) / WG_BM + (long) (E < S ? E : S);
+  const int outs = p.has_gate ? WG_BN / 2 : WG_BN;
+  const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + WG_BN - 1) / WG_BN;
+
+  route<<<1, 1024, 0, s>>> (p.ids, S, E, WG_BM, w.r);
+  cudaFuncSetAttribute (grouped_gemm_wgmma<T, MODE_GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) WG_SMEM);
+  cudaFuncSetAttribute (grouped_gemm_wgmma<T, MODE_DOWN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) WG_SMEM);
+  grouped_gemm_wgmma<T, MODE_GATE_UP><<<m_slots * nt_gu, 256, WG_SMEM, s>>> (p, w.r, (const T *) p.x, (T *) w.h, nt_gu);
+  grouped_gemm_wgmma<T, MODE_DOWN><<<m_slots * nt_dn, 256, WG_SMEM, s>>> (p, w.r, (const T *) w.h, (T *) w.y, nt_dn);
+  return launch_combine<T> (p, w, s);
+}
+
 template <typename T>
 const char *
 run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
@@ -862,6 +1049,8 @@ run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
           return run_grouped_tc<T, TcTile<32, 2, 64, 4>> (p, w, s);
         if (per_expert <= 64)
           return run_grouped_tc<T, TcTile<64, 2, 64, 4>> (p, w, s);
+        if (!p.transposed && device_is_sm90 ())
+          return run_grouped_wgmma<T> (p, w, s);
         return run_grouped_tc<T, TcTile<128, 2, 64, 3>> (p, w, s);
       }
 

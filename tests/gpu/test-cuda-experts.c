@@ -295,6 +295,8 @@ test_random_large (void)
 {
   check_random (16, 512, 384, 1000, 4, FALSE);
   check_random (8, 256, 128, 300, 2, TRUE);
+  /* many rows per expert, K not a multiple of the 64-wide k-tile */
+  check_random (4, 200, 136, 600, 2, FALSE);
 }
 
 /* Freed blocks come back from the device's cache. */
