@@ -782,7 +782,15 @@ test_default_registry (void)
   assert_strv_equal (names, (const char *[]) { "batched_mm", "eager", "grouped_mm", NULL });
   rejected = moe_plugin_registry_dup_rejected (registry);
   g_assert_cmpuint (rejected->len, ==, 0);
-  g_assert_cmpuint (g_list_model_get_n_items (G_LIST_MODEL (registry)), ==, 3);
+  /* the build's devices: "cuda" where it was built with CUDA */
+  {
+    g_auto(GStrv) devices = moe_plugin_registry_list_devices (registry);
+    if (HAVE_CUDA_PLUGIN)
+      assert_strv_equal (devices, (const char *[]) { "cuda", NULL });
+    else
+      assert_strv_equal (devices, (const char *[]) { NULL });
+  }
+  g_assert_cmpuint (g_list_model_get_n_items (G_LIST_MODEL (registry)), ==, 3 + HAVE_CUDA_PLUGIN);
 
   /* every one from a MOE_PLUGIN_PATH directory, none opened yet */
   dirs = g_strsplit (path, G_SEARCHPATH_SEPARATOR_S, -1);
