@@ -9,6 +9,7 @@
 #include <cblas.h>
 
 #include "moe-cpu-kernels.h"
+#include "moe-private.h"
 
 /* Rows up to this count multiply half-precision weights in place; above it
  * the expert's matrix is widened once into scratch so that sgemm can run. */
@@ -372,6 +373,12 @@ moe_cpu_matmul (const float        *x,
   if (m == 0)
     return;
 
+  if (moe_cpu_matrix_is_quantized (w))
+    {
+      _moe_cpu_matmul_quantized (x, m, w, y);
+      return;
+    }
+
   if (w->dtype == MOE_DTYPE_BF16 && m <= DIRECT_MAX_ROWS)
     {
       if (w->transposed)
@@ -545,6 +552,38 @@ moe_cpu_experts_init (MoeCpuExperts *view,
       view->down_bias = moe_tensor_get_data (down_bias);
       view->down_bias_dtype = moe_tensor_get_dtype (down_bias);
     }
+  {
+    MoeTensor *us = moe_experts_get_up_weight_scale (experts);
+    MoeTensor *ds = moe_experts_get_down_weight_scale (experts);
+    if (us != NULL)
+      {
+        view->up_scale = moe_tensor_get_data (us);
+        view->up_scale_dtype = moe_tensor_get_dtype (us);
+        view->up_scale_rows = moe_tensor_get_dim (us, 1);
+      }
+    if (ds != NULL)
+      {
+        view->down_scale = moe_tensor_get_data (ds);
+        view->down_scale_dtype = moe_tensor_get_dtype (ds);
+        view->down_scale_rows = moe_tensor_get_dim (ds, 1);
+      }
+  }
+}
+
+/* Bytes of one expert's [n, k] matrix: FP4 packs two values per byte. */
+static gsize
+expert_matrix_bytes (MoeDType dtype, gsize n, gsize k)
+{
+  return dtype == MOE_DTYPE_I8 ? n * (k / 2) : n * k * moe_dtype_get_size (dtype);
+}
+
+/* One expert's share of a scale tensor [E, rows, cols]. */
+static gconstpointer
+expert_scale (const guint8 *scale, MoeDType scale_dtype, MoeDType weight_dtype,
+              gsize rows, gsize n, gsize k, guint expert)
+{
+  gsize per = weight_dtype == MOE_DTYPE_I8 ? n * (k / 32) : rows * ((k + 127) / 128);
+  return scale != NULL ? scale + (gsize) expert * per * moe_dtype_get_size (scale_dtype) : NULL;
 }
 
 /**
@@ -566,13 +605,19 @@ moe_cpu_experts_run (const MoeCpuExperts *view,
   gsize hid = view->hidden, inter = view->inter, upn = view->up_out;
   MoeCpuMatrix up = {
     .dtype = view->up_dtype,
-    .data = view->up + (gsize) expert * upn * hid * moe_dtype_get_size (view->up_dtype),
+    .data = view->up + (gsize) expert * expert_matrix_bytes (view->up_dtype, upn, hid),
     .n = upn, .k = hid, .transposed = view->transposed,
+    .scale = expert_scale (view->up_scale, view->up_scale_dtype, view->up_dtype,
+                           view->up_scale_rows, upn, hid, expert),
+    .scale_dtype = view->up_scale_dtype, .scale_rows = view->up_scale_rows,
   };
   MoeCpuMatrix down = {
     .dtype = view->down_dtype,
-    .data = view->down + (gsize) expert * hid * inter * moe_dtype_get_size (view->down_dtype),
+    .data = view->down + (gsize) expert * expert_matrix_bytes (view->down_dtype, hid, inter),
     .n = hid, .k = inter, .transposed = view->transposed,
+    .scale = expert_scale (view->down_scale, view->down_scale_dtype, view->down_dtype,
+                           view->down_scale_rows, hid, inter, expert),
+    .scale_dtype = view->down_scale_dtype, .scale_rows = view->down_scale_rows,
   };
   float *u, *h;
 

@@ -21,11 +21,17 @@ typedef enum {
 
 /**
  * MoeCpuMatrix: (skip)
- * @dtype: F32, BF16 or F16
+ * @dtype: F32, BF16 or F16; F8E4M3 (FP8, block-scaled) or I8 (FP4 e2m1
+ *   packed two per byte along @k), both stored `[n, k]`
  * @data: the first element of this matrix
  * @n: output features
  * @k: input features
  * @transposed: %FALSE when stored `[n, k]` (y = x·Wᵀ), %TRUE when stored `[k, n]` (y = x·W)
+ * @scale: quantized weights only: FP8 `[scale_rows, ⌈k/128⌉]` (one per
+ *   128×128 block), FP4 `[n, k/32]`; the weight is value × scale
+ * @scale_dtype: F32 or E8M0
+ * @scale_rows: FP8: ⌈n/128⌉, or 2 for a gated up weight narrower than a
+ *   block (one scale row per half)
  *
  * One expert's projection weight, viewed in place.
  */
@@ -35,6 +41,9 @@ typedef struct {
   gsize         n;
   gsize         k;
   gboolean      transposed;
+  gconstpointer scale;
+  MoeDType      scale_dtype;
+  gsize         scale_rows;
 } MoeCpuMatrix;
 
 /**
@@ -77,6 +86,13 @@ typedef struct {
   const guint8  *up_bias;       /* nullable */
   const guint8  *down_bias;     /* nullable */
   MoeCpuGate     gate;
+  /* quantized weights: scales of all experts, as MoeCpuMatrix describes */
+  const guint8  *up_scale;      /* nullable */
+  const guint8  *down_scale;    /* nullable */
+  MoeDType       up_scale_dtype;
+  MoeDType       down_scale_dtype;
+  gsize          up_scale_rows;
+  gsize          down_scale_rows;
 } MoeCpuExperts;
 
 MOE_AVAILABLE_IN_ALL
@@ -139,6 +155,27 @@ void     moe_cpu_gather_rows (MoeDType            dtype,
 MOE_AVAILABLE_IN_ALL
 float    moe_cpu_round_to    (float               v,
                               MoeDType            dtype);
+
+MOE_AVAILABLE_IN_ALL
+gboolean moe_cpu_matrix_is_quantized   (const MoeCpuMatrix *w);
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_dequantize_rows       (const MoeCpuMatrix *w,
+                                        gsize               row0,
+                                        gsize               rows,
+                                        float              *dst);
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_quantize_activations  (const float        *x,
+                                        gsize               m,
+                                        gsize               k,
+                                        float              *dst);
+MOE_AVAILABLE_IN_ALL
+float    moe_e4m3_to_f32               (guint8              v);
+MOE_AVAILABLE_IN_ALL
+float    moe_e8m0_to_f32               (guint8              v);
+MOE_AVAILABLE_IN_ALL
+float    moe_fp4_to_f32                (guint8              code);
+MOE_AVAILABLE_IN_ALL
+float    moe_f32_round_to_e4m3         (float               v);
 
 static inline float
 moe_bf16_to_f32 (guint16 v)

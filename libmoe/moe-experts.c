@@ -28,6 +28,16 @@
  * `[E, H, 2I]` and `[E, I, H]` (y = x·W). Without a gate (`has-gate` false)
  * `up-weight` holds I rows and the activation applies to it alone. Biases
  * are `[E, 2I]` (or `[E, I]`) and `[E, H]`.
+ *
+ * Quantized experts (untransposed layout): FP8 weights are F8E4M3 with
+ * `up-weight-scale` `[E, ⌈2I/128⌉, ⌈H/128⌉]` and `down-weight-scale`
+ * `[E, ⌈H/128⌉, ⌈I/128⌉]` (F32 or E8M0, one per 128×128 block); FP4
+ * weights are I8 `[E, 2I, H/2]` and `[E, H, I/2]` holding two e2m1 codes
+ * per byte (element 2j in the low nibble) with E8M0 scales `[E, 2I, H/32]`
+ * and `[E, H, I/32]`. Each weight is its value × its scale (transformers'
+ * `*_scale_inv`). The CPU backends run them with the activations quantized
+ * dynamically (per token and 128-wide group to e4m3, scale amax / 448) and
+ * float32 sums.
  */
 struct _MoeExperts
 {
@@ -37,6 +47,8 @@ struct _MoeExperts
   MoeTensor     *down_weight;
   MoeTensor     *up_bias;
   MoeTensor     *down_bias;
+  MoeTensor     *up_weight_scale;
+  MoeTensor     *down_weight_scale;
   char          *activation;
   gboolean       has_gate;
   gboolean       is_transposed;
@@ -53,6 +65,9 @@ enum {
   PROP_DOWN_WEIGHT,
   PROP_UP_BIAS,
   PROP_DOWN_BIAS,
+  PROP_UP_WEIGHT_SCALE,
+  PROP_DOWN_WEIGHT_SCALE,
+  PROP_EXPERT_DTYPE,
   PROP_ACTIVATION,
   PROP_HAS_GATE,
   PROP_IS_TRANSPOSED,
@@ -80,6 +95,8 @@ moe_experts_finalize (GObject *object)
   g_clear_object (&self->down_weight);
   g_clear_object (&self->up_bias);
   g_clear_object (&self->down_bias);
+  g_clear_object (&self->up_weight_scale);
+  g_clear_object (&self->down_weight_scale);
   g_free (self->activation);
   g_free (self->implementation);
   g_free (self->device);
@@ -101,6 +118,9 @@ moe_experts_get_property (GObject    *object,
     case PROP_DOWN_WEIGHT: g_value_set_object (value, self->down_weight); break;
     case PROP_UP_BIAS: g_value_set_object (value, self->up_bias); break;
     case PROP_DOWN_BIAS: g_value_set_object (value, self->down_bias); break;
+    case PROP_UP_WEIGHT_SCALE: g_value_set_object (value, self->up_weight_scale); break;
+    case PROP_DOWN_WEIGHT_SCALE: g_value_set_object (value, self->down_weight_scale); break;
+    case PROP_EXPERT_DTYPE: g_value_set_string (value, moe_experts_get_expert_dtype (self)); break;
     case PROP_ACTIVATION: g_value_set_string (value, self->activation); break;
     case PROP_HAS_GATE: g_value_set_boolean (value, self->has_gate); break;
     case PROP_IS_TRANSPOSED: g_value_set_boolean (value, self->is_transposed); break;
@@ -131,6 +151,8 @@ moe_experts_set_property (GObject      *object,
     case PROP_DOWN_WEIGHT: g_set_object (&self->down_weight, g_value_get_object (value)); break;
     case PROP_UP_BIAS: moe_experts_set_up_bias (self, g_value_get_object (value)); break;
     case PROP_DOWN_BIAS: moe_experts_set_down_bias (self, g_value_get_object (value)); break;
+    case PROP_UP_WEIGHT_SCALE: moe_experts_set_up_weight_scale (self, g_value_get_object (value)); break;
+    case PROP_DOWN_WEIGHT_SCALE: moe_experts_set_down_weight_scale (self, g_value_get_object (value)); break;
     case PROP_ACTIVATION: moe_experts_set_activation (self, g_value_get_string (value)); break;
     case PROP_HAS_GATE: moe_experts_set_has_gate (self, g_value_get_boolean (value)); break;
     case PROP_IS_TRANSPOSED: moe_experts_set_is_transposed (self, g_value_get_boolean (value)); break;
@@ -187,6 +209,30 @@ moe_experts_class_init (MoeExpertsClass *klass)
    */
   properties[PROP_DOWN_BIAS] =
     g_param_spec_object ("down-bias", NULL, NULL, MOE_TYPE_TENSOR, rw);
+  /**
+   * MoeExperts:up-weight-scale: (getter get_up_weight_scale) (setter set_up_weight_scale)
+   *
+   * The dequantization scales of a quantized `up-weight` (F32 or E8M0):
+   * FP8 `[E, ⌈2I/128⌉, ⌈H/128⌉]`, FP4 `[E, 2I, H/32]`.
+   */
+  properties[PROP_UP_WEIGHT_SCALE] =
+    g_param_spec_object ("up-weight-scale", NULL, NULL, MOE_TYPE_TENSOR, rw);
+  /**
+   * MoeExperts:down-weight-scale: (getter get_down_weight_scale) (setter set_down_weight_scale)
+   *
+   * The dequantization scales of a quantized `down-weight`: FP8
+   * `[E, ⌈H/128⌉, ⌈I/128⌉]`, FP4 `[E, H, I/32]`.
+   */
+  properties[PROP_DOWN_WEIGHT_SCALE] =
+    g_param_spec_object ("down-weight-scale", NULL, NULL, MOE_TYPE_TENSOR, rw);
+  /**
+   * MoeExperts:expert-dtype: (getter get_expert_dtype)
+   *
+   * What the expert weights hold: "fp8" (F8E4M3), "fp4" (I8, packed
+   * e2m1), or the dtype of plain weights ("f32", "bf16", "f16").
+   */
+  properties[PROP_EXPERT_DTYPE] =
+    g_param_spec_string ("expert-dtype", NULL, NULL, NULL, ro);
   /**
    * MoeExperts:activation: (getter get_activation) (setter set_activation)
    *
@@ -342,6 +388,75 @@ DEFINE_TENSOR_ACCESSORS (up_bias, PROP_UP_BIAS)
  * Returns: (transfer none) (nullable): the down bias
  */
 DEFINE_TENSOR_ACCESSORS (down_bias, PROP_DOWN_BIAS)
+/**
+ * moe_experts_get_up_weight_scale:
+ * @self: experts
+ *
+ * Returns: (transfer none) (nullable): the up weight's dequantization scales
+ */
+DEFINE_TENSOR_ACCESSORS (up_weight_scale, PROP_UP_WEIGHT_SCALE)
+/**
+ * moe_experts_get_down_weight_scale:
+ * @self: experts
+ *
+ * Returns: (transfer none) (nullable): the down weight's dequantization scales
+ */
+DEFINE_TENSOR_ACCESSORS (down_weight_scale, PROP_DOWN_WEIGHT_SCALE)
+
+/**
+ * moe_experts_set_up_weight_scale:
+ * @self: experts
+ * @scale: (nullable): the up weight's dequantization scales
+ */
+void
+moe_experts_set_up_weight_scale (MoeExperts *self,
+                                 MoeTensor  *scale)
+{
+  g_return_if_fail (MOE_IS_EXPERTS (self));
+  if (g_set_object (&self->up_weight_scale, scale))
+    g_object_notify_by_pspec (G_OBJECT (self), properties[PROP_UP_WEIGHT_SCALE]);
+}
+
+/**
+ * moe_experts_set_down_weight_scale:
+ * @self: experts
+ * @scale: (nullable): the down weight's dequantization scales
+ */
+void
+moe_experts_set_down_weight_scale (MoeExperts *self,
+                                   MoeTensor  *scale)
+{
+  g_return_if_fail (MOE_IS_EXPERTS (self));
+  if (g_set_object (&self->down_weight_scale, scale))
+    g_object_notify_by_pspec (G_OBJECT (self), properties[PROP_DOWN_WEIGHT_SCALE]);
+}
+
+/**
+ * moe_experts_get_expert_dtype:
+ * @self: experts
+ *
+ * Returns: (nullable): "fp8", "fp4", or the plain weights' dtype in lower
+ *   case ("f32", "bf16", "f16"); %NULL without weights
+ */
+const char *
+moe_experts_get_expert_dtype (MoeExperts *self)
+{
+  MoeDType d;
+
+  g_return_val_if_fail (MOE_IS_EXPERTS (self), NULL);
+  if (self->up_weight == NULL)
+    return NULL;
+  d = moe_tensor_get_dtype (self->up_weight);
+  switch (d)
+    {
+    case MOE_DTYPE_F8E4M3: return "fp8";
+    case MOE_DTYPE_I8: return "fp4";
+    case MOE_DTYPE_F32: return "f32";
+    case MOE_DTYPE_BF16: return "bf16";
+    case MOE_DTYPE_F16: return "f16";
+    default: return g_intern_string (moe_dtype_get_name (d));
+    }
+}
 
 /**
  * moe_experts_set_up_bias:
@@ -553,6 +668,9 @@ moe_experts_get_intermediate_size (MoeExperts *self)
   g_return_val_if_fail (MOE_IS_EXPERTS (self), 0);
   if (self->down_weight == NULL || moe_tensor_get_n_dims (self->down_weight) != 3)
     return 0;
+  /* FP4 packs two values per byte along the input axis */
+  if (moe_tensor_get_dtype (self->down_weight) == MOE_DTYPE_I8 && !self->is_transposed)
+    return 2 * (guint) moe_tensor_get_dim (self->down_weight, 2);
   return (guint) moe_tensor_get_dim (self->down_weight, self->is_transposed ? 1 : 2);
 }
 
@@ -595,6 +713,117 @@ check_shape (MoeTensor    *t,
   return FALSE;
 }
 
+static gboolean
+is_quantized (MoeDType d)
+{
+  return d == MOE_DTYPE_F8E4M3 || d == MOE_DTYPE_I8;
+}
+
+/* Plain weights (F32/BF16/F16, any mix), or FP8 or FP4 weights on both
+ * projections with their scales, untransposed. */
+static gboolean
+check_weights_format (MoeExperts  *self,
+                      GError     **error)
+{
+  MoeDType up = moe_tensor_get_dtype (self->up_weight), down = moe_tensor_get_dtype (self->down_weight);
+
+  if (!is_quantized (up) && !is_quantized (down))
+    {
+      const char *which = self->up_weight_scale != NULL ? "up-weight-scale" : "down-weight-scale";
+      if (!check_weight_dtype (self->up_weight, "up-weight", error) ||
+          !check_weight_dtype (self->down_weight, "down-weight", error))
+        return FALSE;
+      if (self->up_weight_scale != NULL || self->down_weight_scale != NULL)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
+                       "The experts' %s is set but their weights are %s: scales belong to FP8 "
+                       "(F8E4M3) or FP4 (I8) weights", which, moe_dtype_get_name (up));
+          return FALSE;
+        }
+      return TRUE;
+    }
+  if (up != down)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
+                   "The experts' up-weight is %s and down-weight %s; quantized experts need both "
+                   "F8E4M3 (FP8) or both I8 (FP4)", moe_dtype_get_name (up), moe_dtype_get_name (down));
+      return FALSE;
+    }
+  if (self->is_transposed)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "Quantized experts are stored [E, out, in]; is-transposed must be false");
+      return FALSE;
+    }
+  if (self->up_weight_scale == NULL || self->down_weight_scale == NULL)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
+                   "%s experts need up-weight-scale and down-weight-scale (the checkpoint's *_scale_inv)",
+                   up == MOE_DTYPE_I8 ? "FP4" : "FP8");
+      return FALSE;
+    }
+  return TRUE;
+}
+
+static gboolean
+check_one_scale (MoeTensor    *scale,
+                 const char   *what,
+                 MoeDType      weight_dtype,
+                 const gint64 *shape,
+                 const gint64 *alt_shape,
+                 GError      **error)
+{
+  MoeDType d = moe_tensor_get_dtype (scale);
+
+  if (weight_dtype == MOE_DTYPE_I8 ? d != MOE_DTYPE_E8M0 : (d != MOE_DTYPE_F32 && d != MOE_DTYPE_E8M0))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH, "The experts' %s is %s; expected %s",
+                   what, moe_dtype_get_name (d), weight_dtype == MOE_DTYPE_I8 ? "E8M0 (F8_E8M0)" : "F32 or E8M0 (F8_E8M0)");
+      return FALSE;
+    }
+  if (alt_shape != NULL && moe_tensor_has_shape (scale, alt_shape, 3))
+    return TRUE;
+  return check_shape (scale, what, shape, 3,
+                      weight_dtype == MOE_DTYPE_I8 ? "FP4: one scale per row and 32 inputs"
+                                                   : "FP8: one scale per 128×128 block", error);
+}
+
+static gboolean
+check_scales (MoeExperts  *self,
+              gint64       E,
+              gint64       H,
+              gint64       I,
+              gint64       up_out,
+              GError     **error)
+{
+  MoeDType w = moe_tensor_get_dtype (self->up_weight);
+
+  if (!is_quantized (w))
+    return TRUE;
+  if (w == MOE_DTYPE_I8)
+    {
+      gint64 us[3] = { E, up_out, H / 32 }, ds[3] = { E, H, I / 32 };
+      if (H % 32 != 0 || I % 32 != 0)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_SHAPE_MISMATCH,
+                       "FP4 experts need H and I multiples of 32 (one scale per 32 inputs); H=%"
+                       G_GINT64_FORMAT ", I=%" G_GINT64_FORMAT, H, I);
+          return FALSE;
+        }
+      return check_one_scale (self->up_weight_scale, "up-weight-scale", w, us, NULL, error) &&
+             check_one_scale (self->down_weight_scale, "down-weight-scale", w, ds, NULL, error);
+    }
+  {
+    gint64 us[3] = { E, (up_out + 127) / 128, (H + 127) / 128 };
+    gint64 ds[3] = { E, (H + 127) / 128, (I + 127) / 128 };
+    /* newer transformers keep two scale rows, one per half, when 2I < 128 */
+    gint64 us2[3] = { E, 2, (H + 127) / 128 };
+    return check_one_scale (self->up_weight_scale, "up-weight-scale", w, us,
+                            self->has_gate && up_out <= 128 ? us2 : NULL, error) &&
+           check_one_scale (self->down_weight_scale, "down-weight-scale", w, ds, NULL, error);
+  }
+}
+
 /**
  * moe_experts_validate:
  * @self: experts
@@ -629,8 +858,7 @@ moe_experts_validate (MoeExperts  *self,
                    u, d);
       return FALSE;
     }
-  if (!check_weight_dtype (self->up_weight, "up-weight", error) ||
-      !check_weight_dtype (self->down_weight, "down-weight", error))
+  if (!check_weights_format (self, error))
     return FALSE;
 
   E = moe_tensor_get_dim (self->up_weight, 0);
@@ -648,11 +876,16 @@ moe_experts_validate (MoeExperts  *self,
   layout = self->is_transposed
     ? (self->has_gate ? "transposed: up [E, H, 2I], down [E, I, H]" : "transposed, ungated: up [E, H, I], down [E, I, H]")
     : (self->has_gate ? "up [E, 2I, H], down [E, H, I]" : "ungated: up [E, I, H], down [E, H, I]");
+  if (moe_tensor_get_dtype (self->up_weight) == MOE_DTYPE_I8)
+    layout = self->has_gate ? "FP4: up [E, 2I, H/2], down [E, H, I/2]" : "FP4, ungated: up [E, I, H/2], down [E, H, I/2]";
   {
-    gint64 up_shape[3] = { E, self->is_transposed ? H : up_out, self->is_transposed ? up_out : H };
+    gint64 up_in = moe_tensor_get_dtype (self->up_weight) == MOE_DTYPE_I8 ? H / 2 : H;
+    gint64 up_shape[3] = { E, self->is_transposed ? H : up_out, self->is_transposed ? up_out : up_in };
     if (!check_shape (self->up_weight, "up-weight", up_shape, 3, layout, error))
       return FALSE;
   }
+  if (!check_scales (self, E, H, I, up_out, error))
+    return FALSE;
   if (self->up_bias != NULL)
     {
       gint64 s[2] = { E, up_out };
@@ -683,7 +916,7 @@ moe_experts_validate (MoeExperts  *self,
 
   {
     MoeDevice *dev = moe_tensor_get_device (self->up_weight);
-    MoeTensor *others[] = { self->down_weight, self->up_bias, self->down_bias };
+    MoeTensor *others[] = { self->down_weight, self->up_bias, self->down_bias, self->up_weight_scale, self->down_weight_scale };
     for (guint i = 0; i < G_N_ELEMENTS (others); i++)
       if (others[i] != NULL && moe_tensor_get_device (others[i]) != dev)
         {

@@ -48,6 +48,18 @@ MOE_AVAILABLE_IN_ALL
 void           moe_experts_set_down_bias         (MoeExperts   *self,
                                                   MoeTensor    *bias);
 MOE_AVAILABLE_IN_ALL
+MoeTensor     *moe_experts_get_up_weight_scale   (MoeExperts   *self);
+MOE_AVAILABLE_IN_ALL
+void           moe_experts_set_up_weight_scale   (MoeExperts   *self,
+                                                  MoeTensor    *scale);
+MOE_AVAILABLE_IN_ALL
+MoeTensor     *moe_experts_get_down_weight_scale (MoeExperts   *self);
+MOE_AVAILABLE_IN_ALL
+void           moe_experts_set_down_weight_scale (MoeExperts   *self,
+                                                  MoeTensor    *scale);
+MOE_AVAILABLE_IN_ALL
+const char    *moe_experts_get_expert_dtype      (MoeExperts   *self);
+MOE_AVAILABLE_IN_ALL
 const char    *moe_experts_get_activation        (MoeExperts   *self);
 MOE_AVAILABLE_IN_ALL
 void           moe_experts_set_activation        (MoeExperts   *self,

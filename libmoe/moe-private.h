@@ -6,6 +6,7 @@
 
 #include "libmoe.h"
 #include "moe-plugin.h"
+#include "moe-cpu-kernels.h"
 
 G_BEGIN_DECLS
 
@@ -27,6 +28,12 @@ void __tsan_release (void *addr);
 # define moe_handoff_release(p) ((void) (p))
 # define moe_handoff_acquire(p) ((void) (p))
 #endif
+
+/* moe-cpu-quant.c: moe_cpu_matmul() on FP8/FP4 weights (dynamic activations) */
+void     _moe_cpu_matmul_quantized    (const float        *x,
+                                       gsize               m,
+                                       const MoeCpuMatrix *w,
+                                       float              *y);
 
 gboolean _moe_shape_n_elements        (const gint64  *shape,
                                        guint          n_dims,

@@ -24,10 +24,15 @@ metadata (MoeCheckpoint *ck, const char *key)
   return g_strdelimit (g_strdup (v), "\"", ' ');
 }
 
+/* A boolean the fixture's metadata may leave out (then @fallback). */
 static gboolean
-metadata_true (MoeCheckpoint *ck, const char *key)
+metadata_bool (MoeCheckpoint *ck, const char *key, gboolean fallback)
 {
-  g_autofree char *v = metadata (ck, key);
+  g_autofree char *v = NULL;
+
+  if (moe_checkpoint_get_metadata_value (ck, key) == NULL)
+    return fallback;
+  v = metadata (ck, key);
   return g_str_equal (g_strstrip (v), "true");
 }
 
@@ -56,11 +61,11 @@ tensor (MoeCheckpoint *ck, const char *name, MoeDType dtype, MoeDevice *device)
 /* Loads an experts fixture; with @device the experts, hidden states,
  * index and routing weights live there and the reference stays on the CPU. */
 static void
-case_load (Case *c, const char *name, MoeDType dtype, MoeDevice *device)
+case_load_from (Case *c, const char *dir, const char *name, MoeDType dtype, MoeDevice *device)
 {
   g_autoptr(GError) error = NULL;
   g_autofree char *file = g_strconcat (name, ".safetensors", NULL);
-  g_autofree char *path = moe_test_data_path ("experts", file, NULL);
+  g_autofree char *path = moe_test_data_path (dir, file, NULL);
   g_autoptr(MoeTensor) up = NULL, down = NULL;
   g_autofree char *act = NULL;
 
@@ -73,9 +78,9 @@ case_load (Case *c, const char *name, MoeDType dtype, MoeDevice *device)
     moe_experts_set_device (c->experts, moe_device_get_name (device));
   act = metadata (c->ck, "act");
   moe_experts_set_activation (c->experts, g_strstrip (act));
-  moe_experts_set_has_gate (c->experts, metadata_true (c->ck, "has_gate"));
-  moe_experts_set_is_transposed (c->experts, metadata_true (c->ck, "is_transposed"));
-  if (metadata_true (c->ck, "interleaved_clamped_swiglu"))
+  moe_experts_set_has_gate (c->experts, metadata_bool (c->ck, "has_gate", TRUE));
+  moe_experts_set_is_transposed (c->experts, metadata_bool (c->ck, "is_transposed", FALSE));
+  if (metadata_bool (c->ck, "interleaved_clamped_swiglu", FALSE))
     moe_experts_set_gate_layout (c->experts, MOE_GATE_LAYOUT_INTERLEAVED);
   if (moe_checkpoint_has_tensor (c->ck, "up_bias"))
     {
@@ -84,13 +89,23 @@ case_load (Case *c, const char *name, MoeDType dtype, MoeDevice *device)
       moe_experts_set_up_bias (c->experts, ub);
       moe_experts_set_down_bias (c->experts, db);
     }
+  /* quantized experts (tests/data/quant/experts): FP8/FP4 weights and scales */
+  if (moe_checkpoint_has_tensor (c->ck, "up_weight_scale_inv"))
+    {
+      g_autoptr(MoeTensor) us = tensor (c->ck, "up_weight_scale_inv", MOE_DTYPE_F32, device);
+      g_autoptr(MoeTensor) ds = tensor (c->ck, "down_weight_scale_inv", MOE_DTYPE_F32, device);
+      moe_experts_set_up_weight_scale (c->experts, us);
+      moe_experts_set_down_weight_scale (c->experts, ds);
+    }
   g_assert_true (moe_experts_validate (c->experts, &error));
   g_assert_no_error (error);
 
   c->hidden = tensor (c->ck, "hidden_states", dtype, device);
   c->index = tensor (c->ck, "top_k_index", dtype, device);
   c->weights = tensor (c->ck, "top_k_weights", MOE_DTYPE_F32, device);
-  c->reference = tensor (c->ck, "output_f64", MOE_DTYPE_F64, NULL);
+  /* quantized experts are checked against the dynamic activation scheme */
+  c->reference = tensor (c->ck, moe_checkpoint_has_tensor (c->ck, "output_f64") ? "output_f64" : "output_ref_dyn",
+                         MOE_DTYPE_F64, NULL);
 }
 
 static void
@@ -104,3 +119,8 @@ case_clear (Case *c)
   g_clear_object (&c->reference);
 }
 
+static G_GNUC_UNUSED void
+case_load (Case *c, const char *name, MoeDType dtype, MoeDevice *device)
+{
+  case_load_from (c, "experts", name, dtype, device);
+}

@@ -277,5 +277,45 @@ class ExpertsTest(unittest.TestCase):
         self.assertMoeError(cm, Moe.Error.INVALID_ARGUMENT)
 
 
+QUANT = sorted(glob.glob(os.path.join(os.path.dirname(data_dir()), 'quant', 'experts', '*.safetensors')))
+
+
+class QuantizedExpertsTest(unittest.TestCase):
+    """FP8 and FP4 experts by the introspected names scripts use."""
+
+    def test_fixtures_present(self):
+        self.assertEqual(len(QUANT), 6)
+
+    def test_quantized_experts_match_the_dynamic_reference(self):
+        for path in QUANT:
+            ck = Moe.Checkpoint.open(path)
+            up, down = ck.get_tensor('up_weight'), ck.get_tensor('down_weight')
+            fp4 = 'fp4' in os.path.basename(path)
+            self.assertEqual(up.get_dtype(), Moe.DType.I8 if fp4 else Moe.DType.F8E4M3)
+            ex = Moe.Experts.new(up, down)
+            ex.set_up_weight_scale(ck.get_tensor('up_weight_scale_inv'))
+            ex.set_down_weight_scale(ck.get_tensor('down_weight_scale_inv'))
+            self.assertIn(ex.props.up_weight_scale.get_dtype(), (Moe.DType.F32, Moe.DType.E8M0))
+            self.assertEqual(ex.props.expert_dtype, 'fp4' if fp4 else 'fp8')
+            ref = values(ck.get_tensor('output_ref_dyn'))
+            for backend in BACKENDS:
+                ex.props.implementation = backend
+                err = rel_err(values(ex.forward(*inputs(ck))), ref)
+                self.assertLessEqual(err, 1e-2, '%s %s' % (os.path.basename(path), backend))
+
+    def test_missing_scales(self):
+        ck = Moe.Checkpoint.open(QUANT[0])
+        ex = Moe.Experts.new(ck.get_tensor('up_weight'), ck.get_tensor('down_weight'))
+        with self.assertRaises(GLib.Error) as cm:
+            ex.forward(*inputs(ck))
+        self.assertTrue(cm.exception.matches(Moe.error_quark(), Moe.Error.INVALID_ARGUMENT))
+        self.assertIn('scale', cm.exception.message)
+
+    def test_plain_experts_dtype(self):
+        ck = Moe.Checkpoint.open(FIXTURES[0])
+        self.assertEqual(make_experts(ck, 'eager').props.expert_dtype, 'f32')
+        self.assertEqual(make_experts(ck, 'eager', Moe.DType.BF16).props.expert_dtype, 'bf16')
+
+
 if __name__ == '__main__':
     unittest.main(verbosity=2)
