@@ -41,11 +41,16 @@ moe_tensor_finalize (GObject *object)
 {
   MoeTensor *self = MOE_TENSOR (object);
 
-  g_clear_pointer (&self->bytes, g_bytes_unref);
+  /* Plain unrefs, no clearing: the last reference may be dropped on another
+   * thread than the one that used the tensor, and finalize then only reads. */
+  if (self->bytes != NULL)
+    g_bytes_unref (self->bytes);
   if (self->device_data != NULL && self->base == NULL)
     MOE_DEVICE_GET_CLASS (self->device)->free (self->device, self->device_data);
-  g_clear_object (&self->base);
-  g_clear_object (&self->device);
+  if (self->base != NULL)
+    g_object_unref (self->base);
+  if (self->device != NULL)
+    g_object_unref (self->device);
 
   G_OBJECT_CLASS (moe_tensor_parent_class)->finalize (object);
 }
