@@ -785,6 +785,8 @@ moe_checkpoint_load_experts (MoeCheckpoint  *self,
   MoeExperts *experts;
   static const char *qwen_up[] = { "gate_proj.weight", "up_proj.weight" };
   static const char *qwen_down[] = { "down_proj.weight" };
+  static const char *qwen_up_scale[] = { "gate_proj.weight_scale_inv", "up_proj.weight_scale_inv" };
+  static const char *qwen_down_scale[] = { "down_proj.weight_scale_inv" };
   static const char *mixtral_up[] = { "w1.weight", "w3.weight" };
   static const char *mixtral_down[] = { "w2.weight" };
   guint n;
@@ -819,6 +821,23 @@ moe_checkpoint_load_experts (MoeCheckpoint  *self,
           g_autoptr(MoeTensor) b = moe_checkpoint_get_tensor (self, down_bias_key, error);
           moe_experts_set_down_bias (experts, b);
         }
+      /* transformers' fused FP8 experts: gate_up_proj_scale_inv, down_proj_scale_inv */
+      {
+        g_autofree char *us_key = g_strdup_printf ("%s.gate_up_proj_scale_inv", prefix);
+        g_autofree char *ds_key = g_strdup_printf ("%s.down_proj_scale_inv", prefix);
+        if (g_hash_table_contains (self->entries, us_key) && g_hash_table_contains (self->entries, ds_key))
+          {
+            g_autoptr(MoeTensor) us = moe_checkpoint_get_tensor (self, us_key, error);
+            g_autoptr(MoeTensor) ds = us ? moe_checkpoint_get_tensor (self, ds_key, error) : NULL;
+            if (ds == NULL)
+              {
+                g_object_unref (experts);
+                return NULL;
+              }
+            moe_experts_set_up_weight_scale (experts, us);
+            moe_experts_set_down_weight_scale (experts, ds);
+          }
+      }
       return experts;
     }
 
@@ -827,6 +846,18 @@ moe_checkpoint_load_experts (MoeCheckpoint  *self,
       up = fuse_experts (self, prefix, n, qwen_up, 2, error);
       if (up == NULL || !(down = fuse_experts (self, prefix, n, qwen_down, 1, error)))
         return NULL;
+      /* quantized checkpoints: the dequantization scales, fused the same way */
+      if (count_experts (self, prefix, qwen_up_scale[0]) == n)
+        {
+          g_autoptr(MoeTensor) us = fuse_experts (self, prefix, n, qwen_up_scale, 2, error);
+          g_autoptr(MoeTensor) ds = us ? fuse_experts (self, prefix, n, qwen_down_scale, 1, error) : NULL;
+          if (ds == NULL)
+            return NULL;
+          experts = moe_experts_new (up, down);
+          moe_experts_set_up_weight_scale (experts, us);
+          moe_experts_set_down_weight_scale (experts, ds);
+          return experts;
+        }
     }
   else if ((n = count_experts (self, prefix, mixtral_up[0])) > 0)
     {

@@ -738,3 +738,17 @@ moe_config_to_string (MoeConfig *self)
   g_return_val_if_fail (MOE_IS_CONFIG (self), NULL);
   return json_to_string (self->root, TRUE);
 }
+
+/* An object member that is not a sub-config ("quantization_config") as a
+ * config of its own; %NULL when absent or not an object. */
+MoeConfig *
+_moe_config_dup_object (MoeConfig  *self,
+                        const char *key)
+{
+  JsonObject *obj = json_node_get_object (self->root);
+  JsonNode *child = json_object_get_member (obj, key);
+
+  if (child == NULL || !JSON_NODE_HOLDS_OBJECT (child))
+    return NULL;
+  return config_new_for_node (child, key, self);
+}

@@ -560,6 +560,11 @@ moe_cpu_experts_init (MoeCpuExperts *view,
         view->up_scale = moe_tensor_get_data (us);
         view->up_scale_dtype = moe_tensor_get_dtype (us);
         view->up_scale_rows = moe_tensor_get_dim (us, 1);
+        /* gate and up quantized as two matrices: ⌈I/128⌉ scale rows each */
+        if (view->up_dtype == MOE_DTYPE_F8E4M3 && view->gate.has_gate &&
+            view->up_scale_rows == 2 * ((view->inter + 127) / 128) &&
+            view->up_scale_rows != (2 * view->inter + 127) / 128)
+          view->up_scale_split = view->inter;
       }
     if (ds != NULL)
       {
@@ -610,6 +615,7 @@ moe_cpu_experts_run (const MoeCpuExperts *view,
     .scale = expert_scale (view->up_scale, view->up_scale_dtype, view->up_dtype,
                            view->up_scale_rows, upn, hid, expert),
     .scale_dtype = view->up_scale_dtype, .scale_rows = view->up_scale_rows,
+    .scale_split = view->up_scale_split,
   };
   MoeCpuMatrix down = {
     .dtype = view->down_dtype,

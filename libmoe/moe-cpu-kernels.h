@@ -30,8 +30,10 @@ typedef enum {
  * @scale: quantized weights only: FP8 `[scale_rows, ⌈k/128⌉]` (one per
  *   128×128 block), FP4 `[n, k/32]`; the weight is value × scale
  * @scale_dtype: F32 or E8M0
- * @scale_rows: FP8: ⌈n/128⌉, or 2 for a gated up weight narrower than a
- *   block (one scale row per half)
+ * @scale_rows: FP8: the scale's rows
+ * @scale_split: FP8 gate/up weights whose halves were scaled apart (the
+ *   fused per-expert scales of a checkpoint: ⌈I/128⌉ rows each): I, the
+ *   rows of the first half; 0 when the blocks run over all @n rows
  *
  * One expert's projection weight, viewed in place.
  */
@@ -44,6 +46,7 @@ typedef struct {
   gconstpointer scale;
   MoeDType      scale_dtype;
   gsize         scale_rows;
+  gsize         scale_split;
 } MoeCpuMatrix;
 
 /**
@@ -93,6 +96,7 @@ typedef struct {
   MoeDType       down_scale_dtype;
   gsize          up_scale_rows;
   gsize          down_scale_rows;
+  gsize          up_scale_split;
 } MoeCpuExperts;
 
 MOE_AVAILABLE_IN_ALL

@@ -140,15 +140,15 @@ moe_cpu_matrix_is_quantized (const MoeCpuMatrix *w)
   return w->dtype == MOE_DTYPE_F8E4M3 || w->dtype == MOE_DTYPE_I8;
 }
 
-/* The scale row of weight row r. A gated FP8 up weight narrower than one
- * block may carry two scale rows, one per half (newer transformers). */
+/* The scale row of weight row r: blocks over all rows, or over each half
+ * of a gate/up weight quantized as two matrices. */
 static gsize
 fp8_scale_row (const MoeCpuMatrix *w, gsize r)
 {
-  gsize blocks = (w->n + FP8_BLOCK - 1) / FP8_BLOCK;
-  if (w->scale_rows == blocks)
+  gsize s = w->scale_split;
+  if (s == 0)
     return r / FP8_BLOCK;
-  return r * w->scale_rows / w->n;
+  return r < s ? r / FP8_BLOCK : (s + FP8_BLOCK - 1) / FP8_BLOCK + (r - s) / FP8_BLOCK;
 }
 
 /**
@@ -260,4 +260,46 @@ _moe_cpu_matmul_quantized (const float        *x,
         cblas_sgemm (CblasRowMajor, CblasNoTrans, CblasTrans, m, rows, k, 1.0f, xq, k,
                      panel, k, 0.0f, y + n0, n);
     }
+}
+
+/* [.., n, k] quantized (F8E4M3 or I8) with [.., rows, cols] scales -> dtype */
+MoeTensor *
+_moe_dequantize (MoeTensor  *weight,
+                 MoeTensor  *scale,
+                 gsize       split,
+                 MoeDType    dtype,
+                 GError    **error)
+{
+  guint nd = moe_tensor_get_n_dims (weight);
+  const gint64 *ws = moe_tensor_get_shape (weight, NULL);
+  gsize E = nd == 3 ? (gsize) ws[0] : 1, n = ws[nd - 2];
+  gboolean fp4 = moe_tensor_get_dtype (weight) == MOE_DTYPE_I8;
+  gsize k = fp4 ? 2 * (gsize) ws[nd - 1] : (gsize) ws[nd - 1];
+  gsize srows = moe_tensor_get_dim (scale, moe_tensor_get_n_dims (scale) - 2);
+  gsize scols = moe_tensor_get_dim (scale, moe_tensor_get_n_dims (scale) - 1);
+  gint64 shape[3] = { (gint64) E, (gint64) n, (gint64) k };
+  g_autoptr(MoeTensor) out = moe_tensor_new_empty (NULL, dtype, nd == 3 ? shape : shape + 1, nd, error);
+  g_autofree float *rows = NULL;
+  gsize esz = moe_dtype_get_size (dtype);
+
+  if (out == NULL)
+    return NULL;
+  rows = g_new (float, MAX (k, 1));
+  for (gsize e = 0; e < E; e++)
+    {
+      MoeCpuMatrix w = {
+        .dtype = moe_tensor_get_dtype (weight),
+        .data = (const guint8 *) moe_tensor_get_data (weight) + e * n * (fp4 ? k / 2 : k),
+        .n = n, .k = k,
+        .scale = (const guint8 *) moe_tensor_get_data (scale) + e * srows * scols * moe_dtype_get_size (moe_tensor_get_dtype (scale)),
+        .scale_dtype = moe_tensor_get_dtype (scale), .scale_rows = srows, .scale_split = split,
+      };
+      for (gsize r = 0; r < n; r++)
+        {
+          moe_cpu_dequantize_rows (&w, r, 1, rows);
+          moe_cpu_convert (MOE_DTYPE_F32, rows, dtype,
+                           (guint8 *) moe_tensor_get_mutable_data (out) + (e * n + r) * k * esz, k);
+        }
+    }
+  return g_steal_pointer (&out);
 }

@@ -816,10 +816,11 @@ check_scales (MoeExperts  *self,
   {
     gint64 us[3] = { E, (up_out + 127) / 128, (H + 127) / 128 };
     gint64 ds[3] = { E, (H + 127) / 128, (I + 127) / 128 };
-    /* newer transformers keep two scale rows, one per half, when 2I < 128 */
-    gint64 us2[3] = { E, 2, (H + 127) / 128 };
+    /* or gate and up scaled as two matrices (fused per-expert checkpoint
+     * scales; newer transformers' two rows when 2I < 128) */
+    gint64 us2[3] = { E, 2 * ((I + 127) / 128), (H + 127) / 128 };
     return check_one_scale (self->up_weight_scale, "up-weight-scale", w, us,
-                            self->has_gate && up_out <= 128 ? us2 : NULL, error) &&
+                            self->has_gate ? us2 : NULL, error) &&
            check_one_scale (self->down_weight_scale, "down-weight-scale", w, ds, NULL, error);
   }
 }

@@ -29,6 +29,7 @@ struct _MoeLoadOptions
   char            *experts_implementation;
   GHashTable      *map;
   MoeDecodeSwitch  decode_switch;
+  gboolean         dequantize;
 };
 
 enum {
@@ -37,6 +38,7 @@ enum {
   PROP_DEVICE,
   PROP_EXPERTS_IMPLEMENTATION,
   PROP_DECODE_SWITCH,
+  PROP_DEQUANTIZE,
   N_PROPS
 };
 
@@ -67,6 +69,7 @@ moe_load_options_get_property (GObject *object, guint prop_id, GValue *value, GP
     case PROP_DEVICE: g_value_set_string (value, self->device); break;
     case PROP_EXPERTS_IMPLEMENTATION: g_value_set_string (value, self->experts_implementation); break;
     case PROP_DECODE_SWITCH: g_value_set_enum (value, self->decode_switch); break;
+    case PROP_DEQUANTIZE: g_value_set_boolean (value, self->dequantize); break;
     default: G_OBJECT_WARN_INVALID_PROPERTY_ID (object, prop_id, pspec);
     }
 }
@@ -82,6 +85,7 @@ moe_load_options_set_property (GObject *object, guint prop_id, const GValue *val
     case PROP_DEVICE: moe_load_options_set_device (self, g_value_get_string (value)); break;
     case PROP_EXPERTS_IMPLEMENTATION: moe_load_options_set_experts_implementation (self, g_value_get_string (value)); break;
     case PROP_DECODE_SWITCH: moe_load_options_set_decode_switch (self, g_value_get_enum (value)); break;
+    case PROP_DEQUANTIZE: moe_load_options_set_dequantize (self, g_value_get_boolean (value)); break;
     default: G_OBJECT_WARN_INVALID_PROPERTY_ID (object, prop_id, pspec);
     }
 }
@@ -122,6 +126,15 @@ moe_load_options_class_init (MoeLoadOptionsClass *klass)
    */
   properties[PROP_DECODE_SWITCH] =
     g_param_spec_enum ("decode-switch", NULL, NULL, MOE_TYPE_DECODE_SWITCH, MOE_DECODE_SWITCH_AUTO, rw);
+  /**
+   * MoeLoadOptions:dequantize: (getter get_dequantize) (setter set_dequantize)
+   *
+   * For FP8/FP4 checkpoints (transformers' `FineGrainedFP8Config(dequantize=True)`):
+   * multiply every quantized weight out to the model's dtype at load, so
+   * that the model runs unquantized (activations included) on any backend.
+   */
+  properties[PROP_DEQUANTIZE] =
+    g_param_spec_boolean ("dequantize", NULL, NULL, FALSE, rw);
   g_object_class_install_properties (object_class, N_PROPS, properties);
 }
 
@@ -299,4 +312,34 @@ moe_load_options_set_decode_switch (MoeLoadOptions *self, MoeDecodeSwitch policy
     return;
   self->decode_switch = policy;
   g_object_notify_by_pspec (G_OBJECT (self), properties[PROP_DECODE_SWITCH]);
+}
+
+/**
+ * moe_load_options_get_dequantize:
+ * @self: options
+ *
+ * Returns: whether quantized weights are dequantized at load
+ */
+gboolean
+moe_load_options_get_dequantize (MoeLoadOptions *self)
+{
+  g_return_val_if_fail (MOE_IS_LOAD_OPTIONS (self), FALSE);
+  return self->dequantize;
+}
+
+/**
+ * moe_load_options_set_dequantize:
+ * @self: options
+ * @dequantize: whether to dequantize quantized weights at load
+ */
+void
+moe_load_options_set_dequantize (MoeLoadOptions *self,
+                                 gboolean        dequantize)
+{
+  g_return_if_fail (MOE_IS_LOAD_OPTIONS (self));
+  dequantize = !!dequantize;
+  if (self->dequantize == dequantize)
+    return;
+  self->dequantize = dequantize;
+  g_object_notify_by_pspec (G_OBJECT (self), properties[PROP_DEQUANTIZE]);
 }

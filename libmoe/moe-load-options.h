@@ -58,6 +58,11 @@ MOE_AVAILABLE_IN_ALL
 void             moe_load_options_set_experts_implementation_map   (MoeLoadOptions *self,
                                                                     GHashTable     *map);
 MOE_AVAILABLE_IN_ALL
+gboolean         moe_load_options_get_dequantize                   (MoeLoadOptions *self);
+MOE_AVAILABLE_IN_ALL
+void             moe_load_options_set_dequantize                   (MoeLoadOptions *self,
+                                                                    gboolean        dequantize);
+MOE_AVAILABLE_IN_ALL
 MoeDecodeSwitch  moe_load_options_get_decode_switch                (MoeLoadOptions *self);
 MOE_AVAILABLE_IN_ALL
 void             moe_load_options_set_decode_switch                (MoeLoadOptions *self,

@@ -705,7 +705,8 @@ load (const char *path, MoeLoadOptions *options, GCancellable *cancellable, GErr
     return NULL;
   if (g_cancellable_set_error_if_cancelled (cancellable, error))
     return NULL;
-  self->transformer = _moe_transformer_new (self->config, self->checkpoint, self->dtype, cancellable, error);
+  self->transformer = _moe_transformer_new (self->config, self->checkpoint, self->dtype,
+                                            moe_load_options_get_dequantize (options), cancellable, error);
   if (self->transformer == NULL)
     return NULL;
 

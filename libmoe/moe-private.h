@@ -35,6 +35,17 @@ void     _moe_cpu_matmul_quantized    (const float        *x,
                                        const MoeCpuMatrix *w,
                                        float              *y);
 
+MoeConfig *_moe_config_dup_object    (MoeConfig     *self,
+                                       const char    *key);
+
+/* moe-cpu-quant.c: a quantized weight ([n, k] or [E, n, k]) multiplied out
+ * to @dtype; @split as MoeCpuMatrix's scale_split */
+MoeTensor *_moe_dequantize           (MoeTensor     *weight,
+                                      MoeTensor     *scale,
+                                      gsize          split,
+                                      MoeDType       dtype,
+                                      GError       **error);
+
 gboolean _moe_shape_n_elements        (const gint64  *shape,
                                        guint          n_dims,
                                        gint64        *n_elements,

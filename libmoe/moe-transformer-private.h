@@ -14,6 +14,7 @@ typedef struct _MoeKvCache MoeKvCache;
 MoeTransformer *_moe_transformer_new          (MoeConfig      *config,
                                                MoeCheckpoint  *checkpoint,
                                                MoeDType        dtype,
+                                               gboolean        dequantize,
                                                GCancellable   *cancellable,
                                                GError        **error);
 void            _moe_transformer_free         (MoeTransformer *self);

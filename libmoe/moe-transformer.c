@@ -51,8 +51,9 @@ typedef enum {
 } QkNorm;
 
 typedef struct {
-  MoeTensor *weight;       /* [out, in], model dtype */
+  MoeTensor *weight;       /* [out, in], model dtype; or FP8/FP4 with @scale */
   MoeTensor *bias;         /* [out] or NULL */
+  MoeTensor *scale;        /* the checkpoint's weight_scale_inv, or NULL */
 } Linear;
 
 typedef struct {
@@ -127,6 +128,8 @@ typedef struct {
   MoeDType       dtype;
   const char    *prefix;    /* "model." or "model.language_model." */
   GError       **error;
+  gboolean       quantized;   /* config.json has a quantization_config */
+  gboolean       dequantize;  /* multiply quantized weights out at load */
 } Loader;
 
 static MoeTensor *
@@ -178,6 +181,69 @@ load_f32 (Loader *l, const char *name, gboolean required, gint64 size)
   return t ? moe_cpu_tensor_dup_f32 (t) : NULL;
 }
 
+static gboolean
+is_quantized_dtype (MoeDType d)
+{
+  return d == MOE_DTYPE_F8E4M3 || d == MOE_DTYPE_I8;
+}
+
+/* A quantized linear's weight [out, in] (FP8) or [out, in/2] (FP4) and its
+ * weight_scale_inv [⌈out/128⌉, ⌈in/128⌉] or [out, in/32]. */
+static void
+load_quantized_linear (Loader *l, Linear *lin, const char *name, MoeTensor *w, gint64 out, gint64 in)
+{
+  g_autofree char *scale_name = g_strdup_printf ("%s.weight_scale_inv", name);
+  gboolean fp4 = moe_tensor_get_dtype (w) == MOE_DTYPE_I8;
+  gint64 ws[2] = { out, fp4 ? in / 2 : in };
+  gint64 ss[2] = { fp4 ? out : (out + 127) / 128, fp4 ? in / 32 : (in + 127) / 128 };
+  g_autoptr(MoeTensor) scale = NULL;
+  MoeDType sd;
+
+  if (!l->quantized)
+    {
+      g_set_error (l->error, MOE_ERROR, MOE_ERROR_INVALID_CHECKPOINT,
+                   "%s: “%s.weight” is %s but config.json has no quantization_config",
+                   moe_checkpoint_get_path (l->ck), name, moe_dtype_get_name (moe_tensor_get_dtype (w)));
+      return;
+    }
+  if ((fp4 && in % 32 != 0) || !moe_tensor_has_shape (w, ws, 2))
+    {
+      g_autofree char *have = moe_tensor_to_string (w);
+      g_set_error (l->error, MOE_ERROR, MOE_ERROR_SHAPE_MISMATCH,
+                   "%s: tensor “%s.weight” is %s, but the config implies [%" G_GINT64_FORMAT ", %" G_GINT64_FORMAT "]%s",
+                   moe_checkpoint_get_path (l->ck), name, have, ws[0], ws[1],
+                   fp4 ? " (FP4: two values per byte, inputs a multiple of 32)" : "");
+      return;
+    }
+  if (!moe_checkpoint_has_tensor (l->ck, scale_name))
+    {
+      g_set_error (l->error, MOE_ERROR, MOE_ERROR_NOT_FOUND, "%s: quantized “%s.weight” has no “%s”",
+                   moe_checkpoint_get_path (l->ck), name, scale_name);
+      return;
+    }
+  scale = moe_checkpoint_get_tensor (l->ck, scale_name, l->error);
+  if (scale == NULL)
+    return;
+  sd = moe_tensor_get_dtype (scale);
+  if (!moe_tensor_has_shape (scale, ss, 2) || (sd != MOE_DTYPE_F32 && sd != MOE_DTYPE_E8M0) ||
+      (fp4 && sd != MOE_DTYPE_E8M0))
+    {
+      g_autofree char *have = moe_tensor_to_string (scale);
+      g_set_error (l->error, MOE_ERROR, MOE_ERROR_INVALID_CHECKPOINT,
+                   "%s: “%s” is %s; expected %s[%" G_GINT64_FORMAT ", %" G_GINT64_FORMAT "] (%s)",
+                   moe_checkpoint_get_path (l->ck), scale_name, have, fp4 ? "F8_E8M0" : "F32 or F8_E8M0",
+                   ss[0], ss[1], fp4 ? "one scale per row and 32 inputs" : "one scale per 128×128 block");
+      return;
+    }
+  if (l->dequantize)
+    lin->weight = _moe_dequantize (w, scale, 0, l->dtype, l->error);
+  else
+    {
+      lin->weight = g_object_ref (w);
+      lin->scale = g_steal_pointer (&scale);
+    }
+}
+
 static void
 load_linear (Loader *l, Linear *lin, const char *name, gint64 out, gint64 in, gboolean bias)
 {
@@ -185,6 +251,21 @@ load_linear (Loader *l, Linear *lin, const char *name, gint64 out, gint64 in, gb
   g_autofree char *b = g_strdup_printf ("%s.bias", name);
   gint64 shape[2] = { out, in };
 
+  if (*l->error == NULL && moe_checkpoint_has_tensor (l->ck, w))
+    {
+      MoeDType d;
+      if (!moe_checkpoint_get_tensor_info (l->ck, w, &d, NULL, l->error))
+        return;
+      if (is_quantized_dtype (d))
+        {
+          g_autoptr(MoeTensor) q = moe_checkpoint_get_tensor (l->ck, w, l->error);
+          if (q != NULL)
+            load_quantized_linear (l, lin, name, q, out, in);
+          if (bias)
+            lin->bias = load_tensor (l, b, TRUE, 1, &out);
+          return;
+        }
+    }
   lin->weight = load_tensor (l, w, TRUE, 2, shape);
   if (bias)
     lin->bias = load_tensor (l, b, TRUE, 1, &out);
@@ -195,6 +276,7 @@ linear_clear (Linear *lin)
 {
   g_clear_object (&lin->weight);
   g_clear_object (&lin->bias);
+  g_clear_object (&lin->scale);
 }
 
 static gboolean
@@ -381,6 +463,41 @@ layer_window (MoeTransformer *self, MoeConfig *c, guint i, GError **error)
   return (guint) window;
 }
 
+/* FP8/FP4 experts: kept as they are (the backends read them in place), or
+ * multiplied out to the model dtype with the dequantize option. */
+static gboolean
+load_quantized_experts (Loader *l, Layer *L, GError **error)
+{
+  MoeExperts *q = L->experts;
+  g_autoptr(MoeTensor) up = NULL, down = NULL;
+  g_autoptr(MoeExperts) plain = NULL;
+  gsize split = 0;
+
+  if (!l->quantized)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CHECKPOINT,
+                   "%s: the experts are %s but config.json has no quantization_config",
+                   moe_checkpoint_get_path (l->ck), moe_dtype_get_name (moe_tensor_get_dtype (moe_experts_get_up_weight (q))));
+      return FALSE;
+    }
+  if (!moe_experts_validate (q, error))
+    return FALSE;
+  if (!l->dequantize)
+    return TRUE;
+  {
+    MoeCpuExperts view;
+    moe_cpu_experts_init (&view, q, l->dtype);
+    split = view.up_scale_split;
+  }
+  up = _moe_dequantize (moe_experts_get_up_weight (q), moe_experts_get_up_weight_scale (q), split, l->dtype, error);
+  down = up ? _moe_dequantize (moe_experts_get_down_weight (q), moe_experts_get_down_weight_scale (q), 0, l->dtype, error) : NULL;
+  if (down == NULL)
+    return FALSE;
+  plain = moe_experts_new (up, down);
+  g_set_object (&L->experts, plain);
+  return TRUE;
+}
+
 static gboolean
 load_layer (MoeTransformer *self, MoeConfig *c, Loader *l, guint i, gboolean sparse, gint64 dense_inter,
             gint64 shared_inter, GError **error)
@@ -470,7 +587,11 @@ load_layer (MoeTransformer *self, MoeConfig *c, Loader *l, guint i, gboolean spa
     L->experts = moe_checkpoint_load_experts (l->ck, experts_prefix, error);
     if (L->experts == NULL)
       return FALSE;
-    if (moe_tensor_get_dtype (moe_experts_get_up_weight (L->experts)) != l->dtype)
+    if (is_quantized_dtype (moe_tensor_get_dtype (moe_experts_get_up_weight (L->experts))) &&
+        !load_quantized_experts (l, L, error))
+      return FALSE;
+    if (moe_experts_get_up_weight_scale (L->experts) == NULL &&
+        moe_tensor_get_dtype (moe_experts_get_up_weight (L->experts)) != l->dtype)
       {
         g_autoptr(MoeTensor) up = moe_tensor_to_dtype (moe_experts_get_up_weight (L->experts), l->dtype, error);
         g_autoptr(MoeTensor) down = up ? moe_tensor_to_dtype (moe_experts_get_down_weight (L->experts), l->dtype, error) : NULL;
@@ -530,10 +651,62 @@ load_layer (MoeTransformer *self, MoeConfig *c, Loader *l, guint i, gboolean spa
   return *error == NULL;
 }
 
+/* transformers' fine-grained FP8 (DeepSeek-style checkpoints): what libmoe
+ * runs, and a clear refusal of the rest. */
+static gboolean
+check_quantization (MoeConfig *top, gboolean *quantized, GError **error)
+{
+  g_autoptr(MoeConfig) q = _moe_config_dup_object (top, "quantization_config");
+  g_autofree char *method = NULL, *scheme = NULL;
+  g_autoptr(GError) local = NULL;
+  g_autoptr(GArray) block = NULL;
+
+  *quantized = FALSE;
+  if (q == NULL)
+    return TRUE;
+  method = moe_config_dup_string_or (q, "quant_method", "", &local);
+  if (local == NULL)
+    scheme = moe_config_dup_string_or (q, "activation_scheme", "dynamic", &local);
+  if (local != NULL)
+    {
+      g_propagate_prefixed_error (error, g_steal_pointer (&local), "config: quantization_config: ");
+      return FALSE;
+    }
+  if (!g_str_equal (method, "fp8"))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "config: quantization_config.quant_method “%s” is not supported; libmoe runs “fp8” "
+                   "(block-scaled FP8 and FP4 experts)", method);
+      return FALSE;
+    }
+  if (!g_str_equal (scheme, "dynamic"))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "config: quantization_config.activation_scheme “%s” is not supported (as in transformers' "
+                   "batched_mm and grouped_mm); valid: dynamic", scheme);
+      return FALSE;
+    }
+  if (moe_config_has_key (q, "weight_block_size") && !moe_config_is_null (q, "weight_block_size"))
+    {
+      block = moe_config_get_int_array (q, "weight_block_size", &local);
+      if (block == NULL || block->len != 2 || g_array_index (block, gint64, 0) != 128 ||
+          g_array_index (block, gint64, 1) != 128)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                       "config: quantization_config.weight_block_size must be [128, 128]%s%s",
+                       local ? ": " : "", local ? local->message : "");
+          return FALSE;
+        }
+    }
+  *quantized = TRUE;
+  return TRUE;
+}
+
 MoeTransformer *
 _moe_transformer_new (MoeConfig      *top,
                       MoeCheckpoint  *ck,
                       MoeDType        dtype,
+                      gboolean        dequantize,
                       GCancellable   *cancellable,
                       GError        **error)
 {
@@ -542,7 +715,7 @@ _moe_transformer_new (MoeConfig      *top,
   g_autoptr(GArray) mlp_only = NULL;
   const char *model_type = moe_config_get_model_type (top);
   MoeConfig *c = top;
-  Loader l = { ck, dtype, "model.", &local };
+  Loader l = { ck, dtype, "model.", &local, FALSE, dequantize };
   gint64 v, dense_inter = 0, moe_inter = 0, shared_inter = 0, sparse_step = 1, first_dense = 0;
   static const char *experts_keys[] = { "num_experts", "num_local_experts", "n_routed_experts", NULL };
   static const char *topk_keys[] = { "num_experts_per_tok", "experts_per_token", NULL };
@@ -578,6 +751,9 @@ _moe_transformer_new (MoeConfig      *top,
       self->experts_key = g_strdup ("text_config");
       l.prefix = "model.language_model.";
     }
+
+  if (!check_quantization (top, &l.quantized, error))
+    goto fail;
 
 #define INT(key, min, dst) G_STMT_START { if (!config_int (c, key, min, &v, &local)) goto fail_local; dst = v; } G_STMT_END
   INT ("hidden_size", 1, self->hidden);
@@ -928,6 +1104,16 @@ linear (MoeTransformer *m, const Linear *lin, const float *x, gsize rows, float 
     .k = moe_tensor_get_dim (lin->weight, 1),
     .transposed = FALSE,
   };
+
+  if (lin->scale != NULL)
+    {
+      /* FP8 or FP4: dynamic activation quantization inside moe_cpu_matmul() */
+      if (w.dtype == MOE_DTYPE_I8)
+        w.k *= 2;
+      w.scale = moe_tensor_get_data (lin->scale);
+      w.scale_dtype = moe_tensor_get_dtype (lin->scale);
+      w.scale_rows = moe_tensor_get_dim (lin->scale, 0);
+    }
 
   moe_cpu_matmul (x, rows, &w, y);
   if (lin->bias != NULL)

@@ -8,6 +8,7 @@
  * SPDX-License-Identifier: LGPL-2.1-or-later
  */
 #include <string.h>
+#include <glib/gstdio.h>
 #include <libmoe.h>
 #include <moe-plugin.h>
 #include <moe-cpu-kernels.h>
@@ -170,6 +171,138 @@ test_bad_scales (void)
   }
 }
 
+/* Tiny DeepSeek-V3 checkpoints quantized as DeepSeek's are: every linear
+ * but lm_head and the router in FP8 (the experts FP4 in deepseek_v3_fp4). */
+static const char *models[] = { "deepseek_v3_fp8", "deepseek_v3_fp8_ue8m0", "deepseek_v3_fp4" };
+
+static MoeTensor *
+model_reference (const char *model, const char *name)
+{
+  g_autofree char *path = moe_test_data_path ("quant", model, "reference.safetensors", NULL);
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (path, &error);
+  MoeTensor *t;
+
+  g_assert_no_error (error);
+  t = moe_checkpoint_get_tensor (ck, name, &error);
+  g_assert_no_error (error);
+  return t;
+}
+
+static void
+check_model (const char *model, gboolean dequantize, const char *reference)
+{
+  g_autofree char *dir = moe_test_data_path ("quant", model, NULL);
+  g_autoptr(MoeTensor) ids = model_reference (model, "input_ids");
+  g_autoptr(MoeTensor) ref = model_reference (model, reference);
+  g_autoptr(MoeLoadOptions) options = moe_load_options_new ();
+  g_autoptr(MoeModel) m = NULL;
+  g_autoptr(GError) error = NULL;
+
+  moe_load_options_set_dequantize (options, dequantize);
+  m = moe_model_new_from_pretrained (dir, options, NULL, &error);
+  g_assert_no_error (error);
+  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
+    {
+      g_autoptr(MoeTensor) logits = NULL;
+      double err;
+
+      g_assert_true (moe_model_set_experts_implementation (m, backends[i], &error));
+      logits = moe_model_forward (m, ids, &error);
+      g_assert_no_error (error);
+      err = moe_test_rel_error (logits, ref);
+      g_test_message ("%s%s %s: rel err %.3g vs %s", model, dequantize ? " dequantized" : "", backends[i], err, reference);
+      g_assert_cmpfloat (err, <=, 2e-2);
+    }
+}
+
+/* FP8 weights and dynamically quantized activations: transformers' logits_dyn */
+static void
+test_model_dynamic (gconstpointer data)
+{
+  check_model (data, FALSE, "logits_dyn");
+}
+
+/* dequantize=TRUE: the weights multiplied out, activations unquantized: logits */
+static void
+test_model_dequantized (gconstpointer data)
+{
+  check_model (data, TRUE, "logits");
+}
+
+/* a copy of the FP8 checkpoint with one config key changed */
+static char *
+checkpoint_with_config (const char *key, const char *value_json)
+{
+  g_autofree char *src = moe_test_data_path ("quant", "deepseek_v3_fp8", NULL);
+  g_autofree char *tmp = g_dir_make_tmp ("moe-quant-XXXXXX", NULL);
+  const char *files[] = { "model.safetensors", "generation_config.json" };
+  g_autofree char *config = NULL, *path = NULL, *edited = NULL, *needle = NULL;
+  char *at;
+
+  g_assert_nonnull (tmp);
+  for (guint i = 0; i < G_N_ELEMENTS (files); i++)
+    {
+      g_autofree char *from = g_build_filename (src, files[i], NULL);
+      g_autofree char *to = g_build_filename (tmp, files[i], NULL);
+      g_autofree char *contents = NULL;
+      gsize len;
+      g_assert_true (g_file_get_contents (from, &contents, &len, NULL));
+      g_assert_true (g_file_set_contents (to, contents, len, NULL));
+    }
+  path = g_build_filename (src, "config.json", NULL);
+  g_assert_true (g_file_get_contents (path, &config, NULL, NULL));
+  needle = g_strdup_printf ("\"%s\": ", key);
+  at = strstr (config, needle);
+  g_assert_nonnull (at);
+  {
+    const char *value = at + strlen (needle);
+    const char *end = *value == '[' ? strchr (value, ']') + 1 : strpbrk (value, ",\n}");
+    g_autofree char *head = g_strndup (config, at - config);
+    edited = g_strdup_printf ("%s%s%s%s", head, needle, value_json, end);
+  }
+  {
+    g_autofree char *out = g_build_filename (tmp, "config.json", NULL);
+    g_assert_true (g_file_set_contents (out, edited, -1, NULL));
+  }
+  return g_steal_pointer (&tmp);
+}
+
+static void
+remove_checkpoint (const char *dir)
+{
+  const char *files[] = { "model.safetensors", "generation_config.json", "config.json" };
+  for (guint i = 0; i < G_N_ELEMENTS (files); i++)
+    {
+      g_autofree char *f = g_build_filename (dir, files[i], NULL);
+      g_unlink (f);
+    }
+  g_rmdir (dir);
+}
+
+static void
+test_model_refusals (void)
+{
+  struct { const char *key, *value, *mentions; } cases[] = {
+    { "activation_scheme", "\"static\"", "activation_scheme" },
+    { "quant_method", "\"bitsandbytes\"", "quant_method" },
+    { "weight_block_size", "[64, 64]", "[128, 128]" },
+  };
+
+  for (guint i = 0; i < G_N_ELEMENTS (cases); i++)
+    {
+      g_autofree char *dir = checkpoint_with_config (cases[i].key, cases[i].value);
+      g_autoptr(GError) error = NULL;
+      g_autoptr(MoeModel) m = moe_model_new_from_pretrained (dir, NULL, NULL, &error);
+
+      g_assert_null (m);
+      g_assert_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED);
+      g_test_message ("%s", error->message);
+      g_assert_nonnull (strstr (error->message, cases[i].mentions));
+      remove_checkpoint (dir);
+    }
+}
+
 int
 main (int argc, char *argv[])
 {
@@ -182,6 +315,14 @@ main (int argc, char *argv[])
       g_test_add_data_func (p32, fixtures[i], test_fixture_f32);
       g_test_add_data_func (p16, fixtures[i], test_fixture_bf16);
     }
+  for (guint i = 0; i < G_N_ELEMENTS (models); i++)
+    {
+      g_autofree char *pd = g_strdup_printf ("/quant/model/dynamic/%s", models[i]);
+      g_autofree char *pq = g_strdup_printf ("/quant/model/dequantized/%s", models[i]);
+      g_test_add_data_func (pd, models[i], test_model_dynamic);
+      g_test_add_data_func (pq, models[i], test_model_dequantized);
+    }
+  g_test_add_func ("/quant/model/refusals", test_model_refusals);
   g_test_add_func ("/quant/formats", test_formats);
   g_test_add_func ("/quant/bad-scales", test_bad_scales);
 
