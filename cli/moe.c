@@ -2,6 +2,7 @@
  *
  *   moe [OPTIONS] [CHECKPOINT]          generate (the demo model by default)
  *   moe experts [OPTIONS] [CHECKPOINT]  run the expert layers through every backend
+ *   moe quantize [--format F] SRC DST   write SRC with its experts quantized (FP8, FP4)
  *
  * Generation loads a checkpoint directory, prints the experts map, and
  * streams the new tokens (as text for byte-level models such as the shipped
@@ -28,6 +29,7 @@
 #define AGREEMENT_HALF 2e-2
 
 static char *opt_prompt = NULL;
+static char *opt_format = NULL;
 static char *opt_dtype = NULL;
 static char **opt_backends = NULL;
 static char *opt_device = NULL;
@@ -59,7 +61,9 @@ static const GOptionEntry entries[] = {
   { "repeat", 'r', 0, G_OPTION_ARG_INT, &opt_repeat, "experts: timed runs per backend and layer", "N" },
   { "list-backends", 'l', 0, G_OPTION_ARG_NONE, &opt_list, "List the experts backends found and exit", NULL },
   { "version", 0, 0, G_OPTION_ARG_NONE, &opt_version, "Print the version and exit", NULL },
-  { G_OPTION_REMAINING, 0, 0, G_OPTION_ARG_FILENAME_ARRAY, &opt_rest, NULL, "[experts] [CHECKPOINT]" },
+  { "format", 0, 0, G_OPTION_ARG_STRING, &opt_format,
+    "quantize: fp8 (float scales, the default), fp8-ue8m0 (power-of-two scales) or fp4", "FORMAT" },
+  { G_OPTION_REMAINING, 0, 0, G_OPTION_ARG_FILENAME_ARRAY, &opt_rest, NULL, "[experts|quantize] [CHECKPOINT…]" },
   { NULL }
 };
 
@@ -633,6 +637,8 @@ main (int argc, char *argv[])
   g_option_context_set_description (context,
     "With no CHECKPOINT, runs the shipped demo model (a byte-level qwen3_moe trained on Python).\n"
     "“moe experts” times the checkpoint's expert layers with every backend and checks they agree.\n"
+    "“moe quantize [--format fp8|fp8-ue8m0|fp4] SRC DST” writes SRC with its experts quantized as\n"
+    "transformers' fine-grained FP8 reads them.\n"
     "Backends are GModule plugins found through MOE_PLUGIN_PATH and the installed plugin directory.");
   if (!g_option_context_parse (context, &argc, &argv, &error))
     {
@@ -653,6 +659,29 @@ main (int argc, char *argv[])
                                                             MOE_PLUGIN_KIND_EXPERTS_BACKEND, names[i]);
           g_print ("%-12s %s\n", names[i], moe_plugin_info_get_description (info) ?: "");
         }
+      return 0;
+    }
+
+  if (opt_rest != NULL && opt_rest[0] != NULL && g_str_equal (opt_rest[0], "quantize"))
+    {
+      MoeQuantFormat format = MOE_QUANT_FORMAT_FP8;
+
+      if (g_strv_length (opt_rest) != 3)
+        {
+          g_printerr ("moe: quantize wants a source and a destination directory\n");
+          return 1;
+        }
+      if (opt_format != NULL && !moe_quant_format_from_name (opt_format, &format))
+        {
+          g_printerr ("moe: unknown --format “%s”; valid: fp8, fp8-ue8m0, fp4\n", opt_format);
+          return 1;
+        }
+      if (!moe_quantize_checkpoint (opt_rest[1], opt_rest[2], format, NULL, &error))
+        {
+          g_printerr ("moe: %s\n", error->message);
+          return 1;
+        }
+      g_print ("%s: the experts of %s in %s\n", opt_rest[2], opt_rest[1], opt_format ? opt_format : "fp8");
       return 0;
     }
 

@@ -21,4 +21,5 @@
 # include "moe-load-options.h"
 # include "moe-generation-config.h"
 # include "moe-model.h"
+# include "moe-quantize.h"
 #undef LIBMOE_INSIDE

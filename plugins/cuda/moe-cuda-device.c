@@ -246,6 +246,13 @@ cuda_supports_experts (MoeDevice           *device,
 
   if (!device_ready (MOE_CUDA_DEVICE (device), error))
     return FALSE;
+  if (up == MOE_DTYPE_F8E4M3 || up == MOE_DTYPE_I8)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "FP8/FP4 experts do not run on cuda yet; run them on the CPU, or load the "
+                   "checkpoint with the dequantize option");
+      return FALSE;
+    }
   if (!is_gpu_float (up))
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,

@@ -303,6 +303,182 @@ test_model_refusals (void)
     }
 }
 
+/* ------------------------------------------------------------------ */
+/* Quantizing                                                          */
+
+static MoeQuantFormat
+fixture_format (const char *name)
+{
+  if (g_str_has_prefix (name, "fp4"))
+    return MOE_QUANT_FORMAT_FP4;
+  return strstr (name, "ue8m0") ? MOE_QUANT_FORMAT_FP8_UE8M0 : MOE_QUANT_FORMAT_FP8;
+}
+
+/* [E, n, k] float32 from a quantized weight and its scales */
+static MoeTensor *
+dequantized (MoeExperts *experts, gboolean up)
+{
+  MoeCpuExperts view;
+  MoeTensor *w = up ? moe_experts_get_up_weight (experts) : moe_experts_get_down_weight (experts);
+  gsize E = moe_experts_get_num_experts (experts);
+  gsize n = up ? (moe_experts_get_has_gate (experts) ? 2 : 1) * moe_experts_get_intermediate_size (experts)
+               : moe_experts_get_hidden_size (experts);
+  gsize k = up ? moe_experts_get_hidden_size (experts) : moe_experts_get_intermediate_size (experts);
+  gint64 shape[3] = { E, n, k };
+  MoeTensor *out = moe_tensor_new_empty (NULL, MOE_DTYPE_F32, shape, 3, NULL);
+  gboolean fp4 = moe_tensor_get_dtype (w) == MOE_DTYPE_I8;
+  MoeTensor *scale = up ? moe_experts_get_up_weight_scale (experts) : moe_experts_get_down_weight_scale (experts);
+  gsize srows = moe_tensor_get_dim (scale, 1), scols = moe_tensor_get_dim (scale, 2);
+
+  moe_cpu_experts_init (&view, experts, MOE_DTYPE_F32);
+  for (gsize e = 0; e < E; e++)
+    {
+      MoeCpuMatrix m = {
+        .dtype = moe_tensor_get_dtype (w),
+        .data = (const guint8 *) moe_tensor_get_data (w) + e * n * (fp4 ? k / 2 : k),
+        .n = n, .k = k,
+        .scale = (const guint8 *) moe_tensor_get_data (scale) + e * srows * scols * moe_dtype_get_size (moe_tensor_get_dtype (scale)),
+        .scale_dtype = moe_tensor_get_dtype (scale), .scale_rows = srows,
+        .scale_split = up ? view.up_scale_split : 0,
+      };
+      moe_cpu_dequantize_rows (&m, 0, n, (float *) moe_tensor_get_mutable_data (out) + e * n * k);
+    }
+  return out;
+}
+
+/* Quantizing transformers' dequantized weights gives its weights back:
+ * with float scales byte for byte (each block's maximum sits at 448); with
+ * power-of-two scales value for value (a block whose maximum rounded down to
+ * half the range comes back with half the scale and doubled codes). */
+static void
+test_quantize_round_trip (gconstpointer data)
+{
+  const char *name = data;
+  MoeQuantFormat format = fixture_format (name);
+  Case c = { 0, };
+
+  case_load_from (&c, "quant/experts", name, MOE_DTYPE_F32, NULL);
+  {
+    g_autoptr(GError) error = NULL;
+    g_autoptr(MoeTensor) wu = dequantized (c.experts, TRUE), wd = dequantized (c.experts, FALSE);
+    g_autoptr(MoeTensor) su = NULL, sd = NULL;
+    g_autoptr(MoeTensor) qu = moe_tensor_quantize (wu, format, &su, &error);
+    g_autoptr(MoeTensor) qd = qu ? moe_tensor_quantize (wd, format, &sd, &error) : NULL;
+    g_autoptr(MoeExperts) again = NULL;
+    g_autoptr(MoeTensor) wu2 = NULL, wd2 = NULL;
+
+    g_assert_no_error (error);
+    g_assert_cmpint (moe_tensor_get_dtype (qu), ==, moe_tensor_get_dtype (moe_experts_get_up_weight (c.experts)));
+    g_assert_cmpint (moe_tensor_get_dtype (su), ==, moe_tensor_get_dtype (moe_experts_get_up_weight_scale (c.experts)));
+    g_assert_true (moe_tensor_has_shape (qu, moe_tensor_get_shape (moe_experts_get_up_weight (c.experts), NULL), 3));
+    g_assert_true (moe_tensor_has_shape (sd, moe_tensor_get_shape (moe_experts_get_down_weight_scale (c.experts), NULL), 3));
+    if (format == MOE_QUANT_FORMAT_FP8)
+      {
+        MoeTensor *want = moe_experts_get_down_weight (c.experts);
+        g_assert_cmpmem (moe_tensor_get_data (qd), moe_tensor_get_n_bytes (qd),
+                         moe_tensor_get_data (want), moe_tensor_get_n_bytes (want));
+        g_assert_cmpfloat (moe_test_rel_error (sd, moe_experts_get_down_weight_scale (c.experts)), <=, 1e-6);
+      }
+    again = moe_experts_new (qu, qd);
+    moe_experts_set_up_weight_scale (again, su);
+    moe_experts_set_down_weight_scale (again, sd);
+    g_assert_true (moe_experts_validate (again, &error));
+    wu2 = dequantized (again, TRUE);
+    wd2 = dequantized (again, FALSE);
+    g_assert_cmpfloat (moe_test_rel_error (wu2, wu), <=, format == MOE_QUANT_FORMAT_FP8 ? 1e-6 : 0.0);
+    g_assert_cmpfloat (moe_test_rel_error (wd2, wd), <=, format == MOE_QUANT_FORMAT_FP8 ? 1e-6 : 0.0);
+  }
+  case_clear (&c);
+}
+
+static void
+remove_dir (const char *dir)
+{
+  g_autoptr(GDir) d = g_dir_open (dir, 0, NULL);
+  const char *name;
+
+  while (d != NULL && (name = g_dir_read_name (d)) != NULL)
+    {
+      g_autofree char *f = g_build_filename (dir, name, NULL);
+      g_unlink (f);
+    }
+  g_rmdir (dir);
+}
+
+/* A checkpoint's experts quantized and read back: the names and config
+ * transformers reads, and the model still answers like its unquantized self
+ * within the quantization error of these tiny random models. */
+static void
+test_quantize_checkpoint (gconstpointer data)
+{
+  MoeQuantFormat format = GPOINTER_TO_INT (data);
+  g_autofree char *src = moe_test_data_path ("models", "qwen3_moe", NULL);
+  g_autofree char *ref_path = moe_test_data_path ("models", "qwen3_moe", "reference.safetensors", NULL);
+  g_autofree char *tmp = g_dir_make_tmp ("moe-quantize-XXXXXX", NULL);
+  g_autofree char *dst = g_build_filename (tmp, "out", NULL);
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeCheckpoint) out = NULL, ref = NULL;
+  g_autoptr(MoeModel) m = NULL;
+  g_autoptr(MoeTensor) ids = NULL, logits_ref = NULL, logits = NULL;
+  g_autoptr(MoeConfig) config = NULL;
+  g_autofree char *config_path = NULL;
+  const char *expert = "model.layers.0.mlp.experts.3.down_proj.weight";
+  MoeDType d;
+  double err;
+
+  g_assert_true (moe_quantize_checkpoint (src, dst, format, NULL, &error));
+  g_assert_no_error (error);
+
+  out = moe_checkpoint_open (dst, &error);
+  g_assert_no_error (error);
+  g_assert_true (moe_checkpoint_get_tensor_info (out, expert, &d, NULL, NULL));
+  g_assert_cmpint (d, ==, format == MOE_QUANT_FORMAT_FP4 ? MOE_DTYPE_I8 : MOE_DTYPE_F8E4M3);
+  g_assert_true (moe_checkpoint_has_tensor (out, "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"));
+  g_assert_true (moe_checkpoint_get_tensor_info (out, "model.layers.0.self_attn.q_proj.weight", &d, NULL, NULL));
+  g_assert_cmpint (d, ==, MOE_DTYPE_F32);
+
+  config_path = g_build_filename (dst, "config.json", NULL);
+  config = moe_config_new_from_file (config_path, &error);
+  g_assert_no_error (error);
+  g_assert_true (moe_config_has_key (config, "quantization_config"));
+  if (format == MOE_QUANT_FORMAT_FP4)
+    {
+      g_autofree char *ed = moe_config_dup_string (config, "expert_dtype", &error);
+      g_assert_cmpstr (ed, ==, "fp4");
+    }
+
+  /* nothing is written over */
+  g_assert_false (moe_quantize_checkpoint (src, dst, format, NULL, &error));
+  g_assert_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT);
+  g_clear_error (&error);
+  /* nor quantized twice */
+  {
+    g_autofree char *again = g_build_filename (tmp, "again", NULL);
+    g_assert_false (moe_quantize_checkpoint (dst, again, format, NULL, &error));
+    g_assert_nonnull (error);
+    g_test_message ("%s", error->message);
+    g_clear_error (&error);
+    remove_dir (again);
+  }
+
+  m = moe_model_new_from_pretrained (dst, NULL, NULL, &error);
+  g_assert_no_error (error);
+  ref = moe_checkpoint_open (ref_path, &error);
+  g_assert_no_error (error);
+  ids = moe_checkpoint_get_tensor (ref, "input_ids", &error);
+  logits_ref = moe_checkpoint_get_tensor (ref, "logits", &error);
+  g_assert_no_error (error);
+  logits = moe_model_forward (m, ids, &error);
+  g_assert_no_error (error);
+  err = moe_test_rel_error (logits, logits_ref);
+  g_test_message ("qwen3_moe quantized (format %d): logits rel err %.3g vs unquantized", format, err);
+  g_assert_cmpfloat (err, >, 0.0);
+  g_assert_cmpfloat (err, <=, 0.25);
+
+  remove_dir (dst);
+  g_rmdir (tmp);
+}
+
 int
 main (int argc, char *argv[])
 {
@@ -323,6 +499,14 @@ main (int argc, char *argv[])
       g_test_add_data_func (pq, models[i], test_model_dequantized);
     }
   g_test_add_func ("/quant/model/refusals", test_model_refusals);
+  for (guint i = 0; i < G_N_ELEMENTS (fixtures); i++)
+    {
+      g_autofree char *p = g_strdup_printf ("/quant/quantize/round-trip/%s", fixtures[i]);
+      g_test_add_data_func (p, fixtures[i], test_quantize_round_trip);
+    }
+  g_test_add_data_func ("/quant/quantize/checkpoint/fp8", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP8), test_quantize_checkpoint);
+  g_test_add_data_func ("/quant/quantize/checkpoint/fp8-ue8m0", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP8_UE8M0), test_quantize_checkpoint);
+  g_test_add_data_func ("/quant/quantize/checkpoint/fp4", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP4), test_quantize_checkpoint);
   g_test_add_func ("/quant/formats", test_formats);
   g_test_add_func ("/quant/bad-scales", test_bad_scales);
 
