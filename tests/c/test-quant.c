@@ -479,6 +479,57 @@ test_quantize_checkpoint (gconstpointer data)
   g_rmdir (tmp);
 }
 
+/* transformers reads libmoe's quantized checkpoints as libmoe does: its
+ * float32 logits with FineGrainedFP8Config(dequantize=True) on checkpoints
+ * that `moe quantize` wrote (tests/data/quant/readback, recorded by
+ * tools/fixtures/quant_readback.py) against libmoe's, dequantized and
+ * dynamic, on the same checkpoints written again now. */
+static void
+test_quantize_readback (gconstpointer data)
+{
+  const char *name = data;                         /* <family>_<format> */
+  const char *fmt = strrchr (name, '_') + 1;
+  g_autofree char *family = g_strndup (name, fmt - 1 - name);
+  g_autofree char *file = g_strdup_printf ("readback_%s.safetensors", name);
+  g_autofree char *ref_path = moe_test_data_path ("quant", "readback", file, NULL);
+  g_autofree char *src = moe_test_data_path ("models", family, NULL);
+  g_autofree char *tmp = g_dir_make_tmp ("moe-readback-XXXXXX", NULL);
+  g_autofree char *dst = g_build_filename (tmp, "out", NULL);
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeCheckpoint) ref = moe_checkpoint_open (ref_path, &error);
+  g_autoptr(MoeTensor) ids = NULL, logits_ref = NULL;
+  MoeQuantFormat format;
+
+  g_assert_no_error (error);
+  g_assert_true (moe_quant_format_from_name (fmt, &format));
+  ids = moe_checkpoint_get_tensor (ref, "input_ids", &error);
+  logits_ref = moe_checkpoint_get_tensor (ref, "logits", &error);
+  g_assert_no_error (error);
+  g_assert_true (moe_quantize_checkpoint (src, dst, format, NULL, &error));
+  g_assert_no_error (error);
+
+  for (int dequantize = 1; dequantize >= 0; dequantize--)
+    {
+      g_autoptr(MoeLoadOptions) options = moe_load_options_new ();
+      g_autoptr(MoeModel) m = NULL;
+      g_autoptr(MoeTensor) logits = NULL;
+      double err;
+
+      moe_load_options_set_dequantize (options, dequantize);
+      m = moe_model_new_from_pretrained (dst, options, NULL, &error);
+      g_assert_no_error (error);
+      logits = moe_model_forward (m, ids, &error);
+      g_assert_no_error (error);
+      err = moe_test_rel_error (logits, logits_ref);
+      g_test_message ("%s %s: rel err %.3g vs transformers' dequantized read-back", name,
+                      dequantize ? "dequantized" : "dynamic", err);
+      /* dequantized: the same function; dynamic: the activation scheme apart */
+      g_assert_cmpfloat (err, <=, dequantize ? 1e-5 : 0.1);
+    }
+  remove_dir (dst);
+  g_rmdir (tmp);
+}
+
 int
 main (int argc, char *argv[])
 {
@@ -507,6 +558,17 @@ main (int argc, char *argv[])
   g_test_add_data_func ("/quant/quantize/checkpoint/fp8", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP8), test_quantize_checkpoint);
   g_test_add_data_func ("/quant/quantize/checkpoint/fp8-ue8m0", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP8_UE8M0), test_quantize_checkpoint);
   g_test_add_data_func ("/quant/quantize/checkpoint/fp4", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP4), test_quantize_checkpoint);
+  {
+    static const char *readback[] = {
+      "qwen3_moe_fp8", "qwen3_moe_fp8-ue8m0", "qwen3_moe_fp4",
+      "deepseek_v3_fp8", "deepseek_v3_fp8-ue8m0", "deepseek_v3_fp4",
+    };
+    for (guint i = 0; i < G_N_ELEMENTS (readback); i++)
+      {
+        g_autofree char *p = g_strdup_printf ("/quant/quantize/readback/%s", readback[i]);
+        g_test_add_data_func (p, readback[i], test_quantize_readback);
+      }
+  }
   g_test_add_func ("/quant/formats", test_formats);
   g_test_add_func ("/quant/bad-scales", test_bad_scales);
 
