@@ -82,14 +82,49 @@ moe_experts_backend_set_property (GObject      *object,
     }
 }
 
+static GQuark
+device_schedule_quark (void)
+{
+  return g_quark_from_static_string ("moe-experts-backend-device-schedule");
+}
+
+/* the schedule a backend class hands to other devices, or -1 */
+static int
+get_device_schedule (MoeExpertsBackend *self)
+{
+  return GPOINTER_TO_INT (g_type_get_qdata (G_TYPE_FROM_INSTANCE (self), device_schedule_quark ())) - 1;
+}
+
+/**
+ * moe_experts_backend_class_set_device_schedule: (skip)
+ * @klass: a backend class
+ * @schedule: how the backend orders the experts' products
+ *
+ * For backend plugins: on devices other than the CPU, have the device run
+ * the experts with @schedule ([vfunc@Device.run_experts]) instead of the
+ * class's forward, which then only sees CPU tensors. The built-in backends
+ * do this; a backend that brings its own device code does not.
+ */
+void
+moe_experts_backend_class_set_device_schedule (MoeExpertsBackendClass *klass,
+                                               MoeExpertsSchedule      schedule)
+{
+  g_return_if_fail (MOE_IS_EXPERTS_BACKEND_CLASS (klass));
+  g_type_set_qdata (G_TYPE_FROM_CLASS (klass), device_schedule_quark (), GINT_TO_POINTER ((int) schedule + 1));
+}
+
 static gboolean
 moe_experts_backend_real_is_supported (MoeExpertsBackend *self,
                                        MoeDevice         *device,
                                        MoeExperts        *experts,
                                        GError           **error)
 {
+  int schedule = get_device_schedule (self);
+
   if (moe_device_is_cpu (device))
     return TRUE;
+  if (schedule >= 0)
+    return moe_device_supports_experts (device, (MoeExpertsSchedule) schedule, experts, error);
   g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
                "The “%s” experts backend runs on the CPU only, not on “%s”",
                moe_experts_backend_get_name (self), moe_device_get_name (device));
@@ -231,6 +266,9 @@ moe_experts_backend_forward (MoeExpertsBackend *self,
   if (!ensure_prepared (self, experts, error))
     return NULL;
 
+  if (!moe_device_is_cpu (device) && get_device_schedule (self) >= 0)
+    return moe_device_run_experts (device, (MoeExpertsSchedule) get_device_schedule (self), experts,
+                                   hidden_states, index, top_k_weights, error);
   return MOE_EXPERTS_BACKEND_GET_CLASS (self)->forward (self, experts, hidden_states,
                                                          index, top_k_weights, error);
 }

@@ -83,6 +83,9 @@ MoeTensor     *moe_tensor_new_empty         (MoeDevice     *device,
 /* Experts on devices other than the CPU: a backend hands its schedule to
  * the device, which owns the kernels (plugins/cuda for "cuda"). */
 MOE_AVAILABLE_IN_ALL
+void           moe_experts_backend_class_set_device_schedule (MoeExpertsBackendClass *klass,
+                                                              MoeExpertsSchedule      schedule);
+MOE_AVAILABLE_IN_ALL
 gboolean       moe_device_supports_experts  (MoeDevice          *self,
                                              MoeExpertsSchedule  schedule,
                                              MoeExperts         *experts,

@@ -23,12 +23,12 @@ struct _MoeBatchedMmBackend
 G_DEFINE_FINAL_TYPE (MoeBatchedMmBackend, moe_batched_mm_backend, MOE_TYPE_EXPERTS_BACKEND)
 
 static MoeTensor *
-moe_batched_mm_backend_cpu_forward (MoeExpertsBackend *backend,
-                                    MoeExperts        *experts,
-                                    MoeTensor         *hidden_states,
-                                    MoeTensor         *top_k_index,
-                                    MoeTensor         *top_k_weights,
-                                    GError           **error)
+moe_batched_mm_backend_forward (MoeExpertsBackend *backend,
+                                MoeExperts        *experts,
+                                MoeTensor         *hidden_states,
+                                MoeTensor         *top_k_index,
+                                MoeTensor         *top_k_weights,
+                                GError           **error)
 {
   MoeCpuExperts view;
   MoeDType dtype = moe_tensor_get_dtype (hidden_states);
@@ -63,38 +63,14 @@ moe_batched_mm_backend_cpu_forward (MoeExpertsBackend *backend,
   return moe_cpu_tensor_from_f32 (out, dtype, moe_tensor_get_shape (hidden_states, NULL), 2, error);
 }
 
-static gboolean
-moe_batched_mm_backend_is_supported (MoeExpertsBackend *backend,
-                                     MoeDevice         *device,
-                                     MoeExperts        *experts,
-                                     GError           **error)
-{
-  return moe_device_supports_experts (device, MOE_EXPERTS_SCHEDULE_PER_ROW, experts, error);
-}
-
-static MoeTensor *
-moe_batched_mm_backend_forward (MoeExpertsBackend *backend,
-                                    MoeExperts        *experts,
-                                    MoeTensor         *hidden_states,
-                                    MoeTensor         *top_k_index,
-                                    MoeTensor         *top_k_weights,
-                                    GError           **error)
-{
-  MoeDevice *device = moe_tensor_get_device (hidden_states);
-
-  if (!moe_device_is_cpu (device))
-    return moe_device_run_experts (device, MOE_EXPERTS_SCHEDULE_PER_ROW, experts, hidden_states,
-                                   top_k_index, top_k_weights, error);
-  return moe_batched_mm_backend_cpu_forward (backend, experts, hidden_states, top_k_index, top_k_weights, error);
-}
-
 static void
 moe_batched_mm_backend_class_init (MoeBatchedMmBackendClass *klass)
 {
   MoeExpertsBackendClass *backend_class = MOE_EXPERTS_BACKEND_CLASS (klass);
 
-  backend_class->is_supported = moe_batched_mm_backend_is_supported;
   backend_class->forward = moe_batched_mm_backend_forward;
+  /* on other devices than the CPU the device runs this schedule */
+  moe_experts_backend_class_set_device_schedule (backend_class, MOE_EXPERTS_SCHEDULE_PER_ROW);
 }
 
 static void

@@ -124,3 +124,47 @@ case_load (Case *c, const char *name, MoeDType dtype, MoeDevice *device)
 {
   case_load_from (c, "experts", name, dtype, device);
 }
+
+/* One forward through @backend; the output has the input's shape, dtype and
+ * device. */
+static G_GNUC_UNUSED MoeTensor *
+experts_run (MoeExperts *experts, const char *backend, MoeTensor *hidden, MoeTensor *index,
+             MoeTensor *weights)
+{
+  g_autoptr(GError) error = NULL;
+  MoeTensor *out;
+
+  moe_experts_set_implementation (experts, backend);
+  out = moe_experts_forward (experts, hidden, index, weights, &error);
+  g_assert_no_error (error);
+  g_assert_nonnull (out);
+  g_assert_true (moe_tensor_has_shape (out, moe_tensor_get_shape (hidden, NULL), 2));
+  g_assert_cmpint (moe_tensor_get_dtype (out), ==, moe_tensor_get_dtype (hidden));
+  g_assert_true (moe_tensor_get_device (out) == moe_tensor_get_device (hidden));
+  return out;
+}
+
+static G_GNUC_UNUSED MoeTensor *
+case_run (Case *c, const char *backend)
+{
+  return experts_run (c->experts, backend, c->hidden, c->index, c->weights);
+}
+
+/* Every backend of @backends (NULL-terminated) against the case's reference
+ * within @tolerance; returns their outputs. */
+static G_GNUC_UNUSED GPtrArray *
+case_check_backends (Case *c, const char * const *backends, const char *label, double tolerance)
+{
+  GPtrArray *outs = g_ptr_array_new_with_free_func (g_object_unref);
+
+  for (guint i = 0; backends[i] != NULL; i++)
+    {
+      MoeTensor *out = case_run (c, backends[i]);
+      double err = moe_test_rel_error (out, c->reference);
+      g_test_message ("%s %s %s: rel err %.3g", label, moe_dtype_get_name (moe_tensor_get_dtype (c->hidden)),
+                      backends[i], err);
+      g_assert_cmpfloat (err, <=, tolerance);
+      g_ptr_array_add (outs, out);
+    }
+  return outs;
+}

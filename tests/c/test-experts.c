@@ -14,27 +14,12 @@ static const char *fixtures[] = {
   "gptoss_bias_transposed_interleaved", "silu_sentinel", "silu_many_tokens",
 };
 
-static MoeTensor *
-run (Case *c, const char *backend)
-{
-  g_autoptr(GError) error = NULL;
-  MoeTensor *out;
-
-  moe_experts_set_implementation (c->experts, backend);
-  out = moe_experts_forward (c->experts, c->hidden, c->index, c->weights, &error);
-  g_assert_no_error (error);
-  g_assert_nonnull (out);
-  g_assert_true (moe_tensor_has_shape (out, moe_tensor_get_shape (c->hidden, NULL), 2));
-  g_assert_cmpint (moe_tensor_get_dtype (out), ==, moe_tensor_get_dtype (c->hidden));
-  return out;
-}
-
 static void
 check_fixture (gconstpointer data, MoeDType dtype, double tolerance)
 {
   const char *name = data;
   g_auto(GStrv) backends = moe_plugin_registry_list_backends (moe_plugin_registry_get_default ());
-  g_autoptr(GPtrArray) outs = g_ptr_array_new_with_free_func (g_object_unref);
+  g_autoptr(GPtrArray) outs = NULL;
   Case c = { 0, };
 
   g_assert_cmpuint (g_strv_length (backends), >=, 3);
@@ -43,14 +28,7 @@ check_fixture (gconstpointer data, MoeDType dtype, double tolerance)
   g_assert_true (g_strv_contains ((const char * const *) backends, "grouped_mm"));
 
   case_load (&c, name, dtype, NULL);
-  for (guint i = 0; backends[i] != NULL; i++)
-    {
-      MoeTensor *out = run (&c, backends[i]);
-      double err = moe_test_rel_error (out, c.reference);
-      g_test_message ("%s %s %s: rel err %.3g", name, moe_dtype_get_name (dtype), backends[i], err);
-      g_assert_cmpfloat (err, <=, tolerance);
-      g_ptr_array_add (outs, out);
-    }
+  outs = case_check_backends (&c, (const char * const *) backends, name, tolerance);
   /* the backends agree with one another */
   for (guint i = 1; i < outs->len; i++)
     g_assert_cmpfloat (moe_test_rel_error (outs->pdata[i], outs->pdata[0]), <=, tolerance);
@@ -108,7 +86,7 @@ test_sentinel_contributes_nothing (void)
   }
   for (const char *const *b = (const char *const[]) { "eager", "batched_mm", "grouped_mm", NULL }; *b; b++)
     {
-      g_autoptr(MoeTensor) o = run (&c, *b);
+      g_autoptr(MoeTensor) o = case_run (&c, *b);
       g_assert_cmpfloat (moe_test_rel_error (o, c.reference), <=, 1e-5);
     }
   case_clear (&c);
@@ -134,7 +112,7 @@ test_int32_index (void)
   }
   g_clear_object (&c.index);
   c.index = g_steal_pointer (&i32);
-  out = run (&c, "grouped_mm");
+  out = case_run (&c, "grouped_mm");
   g_assert_cmpfloat (moe_test_rel_error (out, c.reference), <=, 1e-5);
   case_clear (&c);
 }
@@ -254,7 +232,7 @@ test_bad_inputs (void)
 
   /* and after all that the experts still work */
   {
-    g_autoptr(MoeTensor) out = run (&c, "grouped_mm");
+    g_autoptr(MoeTensor) out = case_run (&c, "grouped_mm");
     g_assert_cmpfloat (moe_test_rel_error (out, c.reference), <=, 1e-5);
   }
   case_clear (&c);

@@ -21,30 +21,17 @@ static const char *fixtures[] = {
   "fp4_aligned", "fp4_wide",
 };
 
-static const char *backends[] = { "eager", "batched_mm", "grouped_mm" };
+static const char *backends[] = { "eager", "batched_mm", "grouped_mm", NULL };
 
 static void
 check_fixture (const char *name, MoeDType dtype, double tolerance)
 {
+  g_autoptr(GPtrArray) outs = NULL;
   Case c = { 0, };
 
   case_load_from (&c, "quant/experts", name, dtype, NULL);
   g_assert_cmpstr (moe_experts_get_expert_dtype (c.experts), ==, g_str_has_prefix (name, "fp4") ? "fp4" : "fp8");
-  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
-    {
-      g_autoptr(GError) error = NULL;
-      g_autoptr(MoeTensor) out = NULL;
-      double err;
-
-      moe_experts_set_implementation (c.experts, backends[i]);
-      out = moe_experts_forward (c.experts, c.hidden, c.index, c.weights, &error);
-      g_assert_no_error (error);
-      g_assert_cmpint (moe_tensor_get_dtype (out), ==, dtype);
-      err = moe_test_rel_error (out, c.reference);
-      g_test_message ("%s %s %s: rel err %.3g vs output_ref_dyn", name, moe_dtype_get_name (dtype),
-                      backends[i], err);
-      g_assert_cmpfloat (err, <=, tolerance);
-    }
+  outs = case_check_backends (&c, backends, name, tolerance);
   case_clear (&c);
 }
 
@@ -202,7 +189,7 @@ check_model (const char *model, gboolean dequantize, const char *reference)
   moe_load_options_set_dequantize (options, dequantize);
   m = moe_model_new_from_pretrained (dir, options, NULL, &error);
   g_assert_no_error (error);
-  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
+  for (guint i = 0; backends[i] != NULL; i++)
     {
       g_autoptr(MoeTensor) logits = NULL;
       double err;
