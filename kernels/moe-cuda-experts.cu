@@ -18,6 +18,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cublas_v2.h>
 #include <cstdlib>
 #include <type_traits>
@@ -115,6 +116,109 @@ gate_up_rows (const MoeCudaExperts &p, int j, int *gr, int *ur)
     *gr = j, *ur = p.inter + j;
 }
 
+/* The two projections: gate_up reads x (gathered by token) and writes h,
+ * down reads h and writes y. */
+enum { MODE_GATE_UP, MODE_DOWN };
+
+/* ---- quantized weights: one value at a time ---------------------------- */
+
+__device__ __forceinline__ float
+e4m3_to_f (unsigned b)
+{
+  unsigned e = (b >> 3) & 15, m = b & 7;
+  float v = e ? __int_as_float ((int) (((e + 120) << 23) | (m << 20))) : (float) m * (1.0f / 512.0f);
+  if (e == 15 && m == 7)
+    v = __int_as_float (0x7fc00000);
+  return (b & 0x80) ? -v : v;
+}
+
+__device__ __forceinline__ float
+e8m0_to_f (unsigned b)
+{
+  return b == 0 ? 5.877471754e-39f : (b == 255 ? __int_as_float (0x7fc00000) : __int_as_float ((int) (b << 23)));
+}
+
+__device__ __forceinline__ float
+fp4_to_f (unsigned code)
+{
+  const float mag[8] = { 0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f };
+  float v = mag[code & 7];
+  return (code & 8) ? -v : v;
+}
+
+/* Weight row `row` (an output feature), input k, of expert e, multiplied
+ * out: plain T, FP8 × its block's scale, or FP4 × its group's scale. */
+template <typename T, int WF, int MODE>
+__device__ __forceinline__ float
+weight_at (const MoeCudaExperts &p, int e, int row, int k)
+{
+  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
+  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+  const void *base = MODE == MODE_DOWN ? p.down : p.up;
+
+  if constexpr (WF == MOE_CUDA_WEIGHTS_PLAIN)
+    {
+      const T *w = (const T *) base + (size_t) e * nw * K;
+      return to_f (p.transposed ? w[(size_t) k * nw + row] : w[(size_t) row * K + k]);
+    }
+  else if constexpr (WF == MOE_CUDA_WEIGHTS_FP8)
+    {
+      const unsigned char *w = (const unsigned char *) base + (size_t) e * nw * K;
+      const int cols = (K + 127) / 128;
+      const int rows = MODE == MODE_DOWN ? (nw + 127) / 128 : p.up_scale_rows;
+      const int split = MODE == MODE_DOWN ? 0 : p.up_scale_split;
+      const int sr = split == 0 ? row / 128 : (row < split ? row / 128 : (split + 127) / 128 + (row - split) / 128);
+      const void *sc = MODE == MODE_DOWN ? p.down_scale : p.up_scale;
+      const size_t si = ((size_t) e * rows + sr) * cols + k / 128;
+      float s = p.scale_dtype == MOE_CUDA_E8M0 ? e8m0_to_f (((const unsigned char *) sc)[si]) : ((const float *) sc)[si];
+      return e4m3_to_f (w[(size_t) row * K + k]) * s;
+    }
+  else
+    {
+      const unsigned char *w = (const unsigned char *) base + (size_t) e * nw * (K / 2);
+      const unsigned char *sc = (const unsigned char *) (MODE == MODE_DOWN ? p.down_scale : p.up_scale);
+      unsigned b = w[(size_t) row * (K / 2) + k / 2];
+      return fp4_to_f ((k & 1) ? b >> 4 : b & 15) * e8m0_to_f (sc[((size_t) e * nw + row) * (K / 32) + k / 32]);
+    }
+}
+
+/* The dynamic activation scheme: each row's 128-wide groups scaled by
+ * amax / 448 (1 when all zero), rounded to e4m3 (nearest even, saturated)
+ * and scaled back, as float. One block a row, one warp a group. */
+template <typename T>
+__global__ void __launch_bounds__ (256)
+quantize_activations (const T *in, int K, float *out)
+{
+  const size_t row = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  for (int g = warp * 128; g < K; g += 8 * 128)
+    {
+      float v[4], amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        {
+          int k = g + lane + 32 * j;
+          v[j] = k < K ? to_f (in[row * K + k]) : 0.0f;
+          amax = fmaxf (amax, fabsf (v[j]));
+        }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2)
+        amax = fmaxf (amax, __shfl_xor_sync (0xffffffffu, amax, o));
+      float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        {
+          int k = g + lane + 32 * j;
+          if (k < K)
+            {
+              __nv_fp8_storage_t q = __nv_cvt_float_to_fp8 (v[j] / s, __NV_SATFINITE, __NV_E4M3);
+              out[row * K + k] = e4m3_to_f (q) * s;
+            }
+        }
+    }
+}
+
 /* ---- routing: rows sorted by expert, on the device --------------------- */
 
 struct Route {
@@ -181,8 +285,6 @@ route (const int64_t *ids, int S, int E, int bm, Route r)
  * C[rows of expert e, tile cols] = A[rows] · W_eᵀ, one CTA per (m-tile,
  * n-tile). MODE_GATE_UP gathers A from x by token and writes h (sorted
  * rows); MODE_DOWN reads h and writes y by (token, slot). */
-
-enum { MODE_GATE_UP, MODE_DOWN };
 
 struct Tile {
   int e, row0, rows;      /* expert, first sorted row, rows in this tile */
@@ -609,9 +711,11 @@ grouped_gemm_wgmma (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_ti
 /* Plain float version: f32, and shapes the tensor-core path does not take. */
 constexpr int SI_BM = 64, SI_BN = 64, SI_BK = 16, SI_LDC = SI_BN + 1;
 
-template <typename T, int MODE>
+/* TA: the activations' element type (float after dynamic quantization);
+ * WF: the weights' format. */
+template <typename T, typename TA, int MODE, int WF>
 __global__ void __launch_bounds__ (256)
-grouped_gemm_simt (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_tiles)
+grouped_gemm_simt (MoeCudaExperts p, Route r, const TA *a_base, T *dst, int n_tiles)
 {
   __shared__ float sa[SI_BK][SI_BM], sb[SI_BK][SI_BN];
   __shared__ float cs[SI_BM * SI_LDC];
@@ -619,7 +723,6 @@ grouped_gemm_simt (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_til
   const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
-  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
   Tile t;
 
   if (!find_tile (r, p.num_experts, SI_BM, mt, &t))
@@ -630,7 +733,6 @@ grouped_gemm_simt (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_til
     w_row[i] = tile_weight_row<MODE> (p, SI_BN, nt, i);
   __syncthreads ();
 
-  const T *w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) t.e * nw * K;
   float acc[4][4] = {};
 
   for (int k0 = 0; k0 < K; k0 += SI_BK)
@@ -648,10 +750,7 @@ grouped_gemm_simt (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_til
           else
             col = i / SI_BK, k = i % SI_BK;
           int wr = w_row[col];
-          float v = 0.0f;
-          if (wr >= 0 && k0 + k < K)
-            v = to_f (p.transposed ? w[(size_t) (k0 + k) * nw + wr] : w[(size_t) wr * K + k0 + k]);
-          sb[k][col] = v;
+          sb[k][col] = wr >= 0 && k0 + k < K ? weight_at<T, WF, MODE> (p, t.e, wr, k0 + k) : 0.0f;
         }
       __syncthreads ();
 #pragma unroll
@@ -740,9 +839,9 @@ dot_rows (const T *w0, const T *w1, const float *x, int K, int lane, float *s0, 
 }
 
 /* One output of one row: the gate/up pair for MODE_GATE_UP, one row else. */
-template <typename T, int MODE>
+template <typename T, typename TA, int MODE, int WF>
 __global__ void __launch_bounds__ (256)
-rowwise (MoeCudaExperts p, T *h, T *y)
+rowwise (MoeCudaExperts p, const TA *src_rows, T *h, T *y)
 {
   extern __shared__ float xs[];
   const int pair = blockIdx.x, E = p.num_experts;
@@ -751,7 +850,8 @@ rowwise (MoeCudaExperts p, T *h, T *y)
   const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
   const int n_out = MODE == MODE_DOWN ? p.hidden : p.inter;
   const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
-  const T *src = MODE == MODE_DOWN ? h + (size_t) pair * p.inter : (const T *) p.x + (size_t) (pair / p.top_k) * p.hidden;
+  /* gate_up reads x by token, down reads h by (token, slot) */
+  const TA *src = MODE == MODE_DOWN ? src_rows + (size_t) pair * p.inter : src_rows + (size_t) (pair / p.top_k) * p.hidden;
   const T *w;
 
   if ((unsigned long long) id >= (unsigned long long) E)
@@ -761,7 +861,38 @@ rowwise (MoeCudaExperts p, T *h, T *y)
   __syncthreads ();
   w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) e * nw * K;
 
-  if (!p.transposed)
+  if constexpr (WF != MOE_CUDA_WEIGHTS_PLAIN)
+    {
+      /* quantized: one warp an output, values multiplied out one by one */
+      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+      const int o = blockIdx.y * 8 + warp;
+      int gr = o, ur = o;
+      float g = 0.0f, u = 0.0f;
+      if (o >= n_out)
+        return;
+      if (MODE == MODE_GATE_UP)
+        gate_up_rows (p, o, &gr, &ur);
+      for (int k = lane; k < K; k += 32)
+        {
+          u += weight_at<T, WF, MODE> (p, e, ur, k) * xs[k];
+          if (MODE == MODE_GATE_UP && p.has_gate)
+            g += weight_at<T, WF, MODE> (p, e, gr, k) * xs[k];
+        }
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2)
+        {
+          u += __shfl_xor_sync (0xffffffffu, u, off);
+          g += __shfl_xor_sync (0xffffffffu, g, off);
+        }
+      if (lane != 0)
+        return;
+      if (MODE == MODE_DOWN)
+        y[(size_t) pair * p.hidden + o] = from_f<T> (down_finish<T> (p, e, o, u));
+      else
+        h[(size_t) pair * p.inter + o] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, p.has_gate ? g : u, u));
+      return;
+    }
+  else if (!p.transposed)
     {
       const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
       const int o = blockIdx.y * 8 + warp;
@@ -928,6 +1059,7 @@ align_up (size_t n)
 struct Workspace {
   Route r;
   void *h, *y, *xg, *u, *ys;
+  float *xq, *hq;           /* quantized weights: the activations after dynamic quantization */
   int *row_expert;
 };
 
@@ -963,6 +1095,11 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
       w->xg = take (S * p->hidden * es);
       w->u = take (S * upn * es);
       w->ys = take (S * p->hidden * es);
+    }
+  if (p->weight_format != MOE_CUDA_WEIGHTS_PLAIN)
+    {
+      w->xq = (float *) take ((size_t) p->tokens * p->hidden * sizeof (float));
+      w->hq = (float *) take (S * p->inter * sizeof (float));
     }
   return off;
 }
@@ -1032,10 +1169,43 @@ run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   return launch_combine<T> (p, w, s);
 }
 
+/* The plain-float grouped GEMMs: f32, odd sizes, and quantized weights
+ * (then over the dynamically quantized activations, kept as float). */
+template <typename T, int WF>
+const char *
+run_grouped_simt (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  const int S = p.tokens * p.top_k, E = p.num_experts;
+  const long m_slots = (S + SI_BM - 1) / SI_BM + (long) (E < S ? E : S);
+  const int outs = p.has_gate ? SI_BN / 2 : SI_BN;
+  const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + SI_BN - 1) / SI_BN;
+
+  route<<<1, 1024, 0, s>>> (p.ids, S, E, SI_BM, w.r);
+  if constexpr (WF == MOE_CUDA_WEIGHTS_PLAIN)
+    {
+      grouped_gemm_simt<T, T, MODE_GATE_UP, WF><<<m_slots * nt_gu, 256, 0, s>>> (p, w.r, (const T *) p.x, (T *) w.h, nt_gu);
+      grouped_gemm_simt<T, T, MODE_DOWN, WF><<<m_slots * nt_dn, 256, 0, s>>> (p, w.r, (const T *) w.h, (T *) w.y, nt_dn);
+    }
+  else
+    {
+      quantize_activations<T><<<p.tokens, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq);
+      grouped_gemm_simt<T, float, MODE_GATE_UP, WF><<<m_slots * nt_gu, 256, 0, s>>> (p, w.r, w.xq, (T *) w.h, nt_gu);
+      /* h rows are sorted, and only the routed ones were written */
+      quantize_activations<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq);
+      grouped_gemm_simt<T, float, MODE_DOWN, WF><<<m_slots * nt_dn, 256, 0, s>>> (p, w.r, w.hq, (T *) w.y, nt_dn);
+    }
+  return launch_combine<T> (p, w, s);
+}
+
 template <typename T>
 const char *
 run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
+  if (p.weight_format == MOE_CUDA_WEIGHTS_FP8)
+    return run_grouped_simt<T, MOE_CUDA_WEIGHTS_FP8> (p, w, s);
+  if (p.weight_format == MOE_CUDA_WEIGHTS_FP4)
+    return run_grouped_simt<T, MOE_CUDA_WEIGHTS_FP4> (p, w, s);
+
   const int S = p.tokens * p.top_k, E = p.num_experts;
 
   if constexpr (sizeof (T) == 2)
@@ -1054,12 +1224,33 @@ run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
         return run_grouped_tc<T, TcTile<128, 2, 64, 3>> (p, w, s);
       }
 
-  const long m_slots = (S + SI_BM - 1) / SI_BM + (long) (E < S ? E : S);
-  const int outs = p.has_gate ? SI_BN / 2 : SI_BN;
-  const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + SI_BN - 1) / SI_BN;
-  route<<<1, 1024, 0, s>>> (p.ids, S, E, SI_BM, w.r);
-  grouped_gemm_simt<T, MODE_GATE_UP><<<m_slots * nt_gu, 256, 0, s>>> (p, w.r, (const T *) p.x, (T *) w.h, nt_gu);
-  grouped_gemm_simt<T, MODE_DOWN><<<m_slots * nt_dn, 256, 0, s>>> (p, w.r, (const T *) w.h, (T *) w.y, nt_dn);
+  return run_grouped_simt<T, MOE_CUDA_WEIGHTS_PLAIN> (p, w, s);
+}
+
+template <typename T, int WF>
+const char *
+run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  using TA = typename std::conditional<WF == MOE_CUDA_WEIGHTS_PLAIN, T, float>::type;
+  const int S = p.tokens * p.top_k;
+  const int per_block = p.transposed ? 32 : 8;
+  dim3 grid_gu (S, (p.inter + per_block - 1) / per_block);
+  dim3 grid_dn (S, (p.hidden + per_block - 1) / per_block);
+  size_t smem_gu = (size_t) p.hidden * sizeof (float), smem_dn = (size_t) p.inter * sizeof (float);
+  const TA *x = WF == MOE_CUDA_WEIGHTS_PLAIN ? (const TA *) p.x : (const TA *) w.xq;
+  const TA *h = WF == MOE_CUDA_WEIGHTS_PLAIN ? (const TA *) w.h : (const TA *) w.hq;
+
+  if (smem_gu > 200 * 1024 || smem_dn > 200 * 1024)
+    return "hidden or intermediate size too large for the per-row kernels";
+  cudaFuncSetAttribute (rowwise<T, TA, MODE_GATE_UP, WF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_gu);
+  cudaFuncSetAttribute (rowwise<T, TA, MODE_DOWN, WF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_dn);
+  if (WF != MOE_CUDA_WEIGHTS_PLAIN)
+    quantize_activations<T><<<p.tokens, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq);
+  rowwise<T, TA, MODE_GATE_UP, WF><<<grid_gu, 256, smem_gu, s>>> (p, x, (T *) w.h, (T *) w.y);
+  /* h by (token, slot); a sentinel slot's row is left as it was, and unused */
+  if (WF != MOE_CUDA_WEIGHTS_PLAIN)
+    quantize_activations<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq);
+  rowwise<T, TA, MODE_DOWN, WF><<<grid_dn, 256, smem_dn, s>>> (p, h, (T *) w.h, (T *) w.y);
   return launch_combine<T> (p, w, s);
 }
 
@@ -1067,19 +1258,11 @@ template <typename T>
 const char *
 run_per_row (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
-  const int S = p.tokens * p.top_k;
-  const int per_block = p.transposed ? 32 : 8;
-  dim3 grid_gu (S, (p.inter + per_block - 1) / per_block);
-  dim3 grid_dn (S, (p.hidden + per_block - 1) / per_block);
-  size_t smem_gu = (size_t) p.hidden * sizeof (float), smem_dn = (size_t) p.inter * sizeof (float);
-
-  if (smem_gu > 200 * 1024 || smem_dn > 200 * 1024)
-    return "hidden or intermediate size too large for the per-row kernels";
-  cudaFuncSetAttribute (rowwise<T, MODE_GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_gu);
-  cudaFuncSetAttribute (rowwise<T, MODE_DOWN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_dn);
-  rowwise<T, MODE_GATE_UP><<<grid_gu, 256, smem_gu, s>>> (p, (T *) w.h, (T *) w.y);
-  rowwise<T, MODE_DOWN><<<grid_dn, 256, smem_dn, s>>> (p, (T *) w.h, (T *) w.y);
-  return launch_combine<T> (p, w, s);
+  if (p.weight_format == MOE_CUDA_WEIGHTS_FP8)
+    return run_per_row_as<T, MOE_CUDA_WEIGHTS_FP8> (p, w, s);
+  if (p.weight_format == MOE_CUDA_WEIGHTS_FP4)
+    return run_per_row_as<T, MOE_CUDA_WEIGHTS_FP4> (p, w, s);
+  return run_per_row_as<T, MOE_CUDA_WEIGHTS_PLAIN> (p, w, s);
 }
 
 template <typename T> cudaDataType_t cuda_type ();

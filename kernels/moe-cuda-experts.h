@@ -17,7 +17,8 @@ extern "C" {
 #endif
 
 /* The numbering of MoeDType and MoeCpuActivation. */
-enum { MOE_CUDA_F32 = 0, MOE_CUDA_F16 = 1, MOE_CUDA_BF16 = 2 };
+enum { MOE_CUDA_F32 = 0, MOE_CUDA_F16 = 1, MOE_CUDA_BF16 = 2, MOE_CUDA_E8M0 = 5 };
+enum { MOE_CUDA_WEIGHTS_PLAIN, MOE_CUDA_WEIGHTS_FP8, MOE_CUDA_WEIGHTS_FP4 };
 enum { MOE_CUDA_ACT_SILU, MOE_CUDA_ACT_GELU, MOE_CUDA_ACT_GELU_TANH, MOE_CUDA_ACT_RELU };
 /* The numbering of MoeExpertsSchedule. */
 enum { MOE_CUDA_PER_EXPERT, MOE_CUDA_PER_ROW, MOE_CUDA_GROUPED };
@@ -36,6 +37,13 @@ typedef struct {
   const void *routing;                /* [T, K] */
   void *out;                          /* [T, H] */
   long long *bad_id;                  /* mapped host memory: {t * K + k + 1, id} of a bad id */
+  /* quantized weights (see MoeExperts): FP8 e4m3 with per-128×128-block
+   * scales, or FP4 e2m1 packed two per byte with per-32 UE8M0 scales; the
+   * activations are then quantized dynamically as on the CPU */
+  int weight_format;                  /* MOE_CUDA_WEIGHTS_* */
+  int scale_dtype;                    /* MOE_CUDA_F32 or MOE_CUDA_E8M0 */
+  int up_scale_rows, up_scale_split;  /* FP8: scale rows of up; I when gate and up were scaled apart */
+  const void *up_scale, *down_scale;
 } MoeCudaExperts;
 
 /* Bytes of scratch device memory a schedule needs. */

@@ -2,12 +2,15 @@
  *
  * Usage:
  *   moe-bench-cuda-experts --shape H,I,E,K --tokens 1,8,64 [--backend NAME ...]
- *                          [--batches N] [--max-call-ms MS] [--seed N]
+ *                          [--weights bf16|fp8|fp4] [--batches N] [--max-call-ms MS] [--seed N]
  *
  * Random bf16 weights (a 32 MiB block of seeded uniform values, tiled over
  * the weights at shifting offsets: random data, not zeros, without minutes
  * of host work for DeepSeek-sized layers), uniform random routing to K
- * distinct experts per token, softmax-like positive weights.
+ * distinct experts per token, softmax-like positive weights. With --weights
+ * fp8 or fp4 the experts are quantized instead: random e4m3 bytes (no NaN)
+ * with float32 block scales, or random e2m1 nibbles with UE8M0 scales; the
+ * hidden states stay bf16.
  *
  * Each (backend, T): three warm-up calls, then --batches batches of back-to-
  * back moe_experts_forward() calls (as many as fill about 20 ms) closed by a
@@ -40,6 +43,7 @@ static char **opt_backends;
 static int opt_batches = 7;
 static double opt_max_call_ms = 2000.0;
 static int opt_seed = 1234;
+static char *opt_weights;
 
 static const GOptionEntry entries[] = {
   { "shape", 's', 0, G_OPTION_ARG_STRING, &opt_shape, "hidden, intermediate, experts, top-k", "H,I,E,K" },
@@ -48,6 +52,7 @@ static const GOptionEntry entries[] = {
   { "batches", 0, 0, G_OPTION_ARG_INT, &opt_batches, "Timed batches per row (default 7)", "N" },
   { "max-call-ms", 0, 0, G_OPTION_ARG_DOUBLE, &opt_max_call_ms, "Skip a backend whose first call is slower (default 2000)", "MS" },
   { "seed", 0, 0, G_OPTION_ARG_INT, &opt_seed, "Random seed (default 1234)", "N" },
+  { "weights", 'w', 0, G_OPTION_ARG_STRING, &opt_weights, "Expert weights: bf16 (default), fp8 or fp4", "FORMAT" },
   { NULL }
 };
 
@@ -93,6 +98,55 @@ random_bf16 (MoeDevice *cuda, const gint64 *shape, guint n_dims, float scale)
       done += len;
     }
   return t;
+}
+
+/* Random bytes of a one-byte dtype on the device; for F8E4M3 never a NaN
+ * (0x7f, 0xff), for E8M0 exponents around @center. */
+static MoeTensor *
+random_bytes (MoeDevice *cuda, MoeDType dtype, const gint64 *shape, guint n_dims, int center)
+{
+  g_autoptr(GError) error = NULL;
+  MoeTensor *t = moe_tensor_new_empty (cuda, dtype, shape, n_dims, &error);
+  gsize n, chunk = 1 << 24;
+  g_autofree guint8 *buf = NULL;
+
+  g_assert_no_error (error);
+  n = moe_tensor_get_n_bytes (t);
+  buf = g_malloc (MIN (n, chunk));
+  for (gsize done = 0; done < n; done += chunk)
+    {
+      gsize len = MIN (chunk, n - done);
+      for (gsize i = 0; i < len; i++)
+        {
+          guint8 b = (guint8) rng_next ();
+          if (dtype == MOE_DTYPE_F8E4M3 && (b & 0x7f) == 0x7f)
+            b &= 0xf7;
+          if (dtype == MOE_DTYPE_E8M0)
+            b = (guint8) (center + (int) (b % 5) - 2);
+          buf[i] = b;
+        }
+      if (!MOE_DEVICE_GET_CLASS (cuda)->copy_from_host (cuda, (guint8 *) moe_tensor_get_mutable_data (t) + done, buf, len, &error))
+        g_error ("%s", error->message);
+    }
+  return t;
+}
+
+/* float32 block scales: uniform in [0.5, 1.5) × @scale */
+static MoeTensor *
+random_f32 (MoeDevice *cuda, const gint64 *shape, guint n_dims, float scale)
+{
+  gint64 n = 1;
+  float *v;
+  for (guint i = 0; i < n_dims; i++)
+    n *= shape[i];
+  v = g_new (float, n);
+  for (gint64 i = 0; i < n; i++)
+    v[i] = (0.5f + rng_uniform ()) * scale;
+  {
+    g_autoptr(GBytes) bytes = g_bytes_new_take (v, n * sizeof (float));
+    g_autoptr(MoeTensor) host = moe_tensor_new_from_bytes (MOE_DTYPE_F32, shape, n_dims, bytes, NULL);
+    return moe_tensor_to_device (host, cuda, NULL);
+  }
 }
 
 static MoeTensor *
@@ -169,14 +223,49 @@ main (int argc, char *argv[])
       return 77;
     }
 
-  {
-    gint64 us[3] = { E, 2 * I, H }, ds[3] = { E, H, I };
-    /* about 1/sqrt(fan-in), so activations stay O(1) through both projections */
-    up = random_bf16 (cuda, us, 3, 1.7f / sqrtf ((float) H));
-    down = random_bf16 (cuda, ds, 3, 1.7f / sqrtf ((float) I));
-  }
-  experts = moe_experts_new (up, down);
+  if (opt_weights == NULL || g_str_equal (opt_weights, "bf16"))
+    {
+      gint64 us[3] = { E, 2 * I, H }, ds[3] = { E, H, I };
+      /* about 1/sqrt(fan-in), so activations stay O(1) through both projections */
+      up = random_bf16 (cuda, us, 3, 1.7f / sqrtf ((float) H));
+      down = random_bf16 (cuda, ds, 3, 1.7f / sqrtf ((float) I));
+      experts = moe_experts_new (up, down);
+    }
+  else if (g_str_equal (opt_weights, "fp8"))
+    {
+      gint64 us[3] = { E, 2 * I, H }, ds[3] = { E, H, I };
+      gint64 uss[3] = { E, (2 * I + 127) / 128, (H + 127) / 128 }, dss[3] = { E, (H + 127) / 128, (I + 127) / 128 };
+      g_autoptr(MoeTensor) su = random_f32 (cuda, uss, 3, 1.0f / (64.0f * sqrtf ((float) H)));
+      g_autoptr(MoeTensor) sd = random_f32 (cuda, dss, 3, 1.0f / (64.0f * sqrtf ((float) I)));
+      up = random_bytes (cuda, MOE_DTYPE_F8E4M3, us, 3, 0);
+      down = random_bytes (cuda, MOE_DTYPE_F8E4M3, ds, 3, 0);
+      experts = moe_experts_new (up, down);
+      moe_experts_set_up_weight_scale (experts, su);
+      moe_experts_set_down_weight_scale (experts, sd);
+    }
+  else if (g_str_equal (opt_weights, "fp4"))
+    {
+      gint64 us[3] = { E, 2 * I, H / 2 }, ds[3] = { E, H, I / 2 };
+      gint64 uss[3] = { E, 2 * I, H / 32 }, dss[3] = { E, H, I / 32 };
+      g_autoptr(MoeTensor) su = random_bytes (cuda, MOE_DTYPE_E8M0, uss, 3, 127 - 2 - (int) log2f ((float) H) / 2);
+      g_autoptr(MoeTensor) sd = random_bytes (cuda, MOE_DTYPE_E8M0, dss, 3, 127 - 2 - (int) log2f ((float) I) / 2);
+      up = random_bytes (cuda, MOE_DTYPE_I8, us, 3, 0);
+      down = random_bytes (cuda, MOE_DTYPE_I8, ds, 3, 0);
+      experts = moe_experts_new (up, down);
+      moe_experts_set_up_weight_scale (experts, su);
+      moe_experts_set_down_weight_scale (experts, sd);
+    }
+  else
+    {
+      g_printerr ("--weights wants bf16, fp8 or fp4\n");
+      return 2;
+    }
   moe_experts_set_device (experts, "cuda");
+  if (!moe_experts_validate (experts, &error))
+    {
+      g_printerr ("%s\n", error->message);
+      return 2;
+    }
 
   token_list = g_strsplit (opt_tokens, ",", -1);
   for (guint ti = 0; token_list[ti] != NULL; ti++)

@@ -248,10 +248,15 @@ cuda_supports_experts (MoeDevice           *device,
     return FALSE;
   if (up == MOE_DTYPE_F8E4M3 || up == MOE_DTYPE_I8)
     {
-      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
-                   "FP8/FP4 experts do not run on cuda yet; run them on the CPU, or load the "
-                   "checkpoint with the dequantize option");
-      return FALSE;
+      /* moe_experts_validate() checked the scales; eager would need them multiplied out */
+      if (schedule == MOE_EXPERTS_SCHEDULE_PER_EXPERT)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                       "eager does not run FP8/FP4 experts on cuda; use batched_mm or grouped_mm, "
+                       "or load the checkpoint with the dequantize option");
+          return FALSE;
+        }
+      return TRUE;
     }
   if (!is_gpu_float (up))
     {
@@ -296,8 +301,9 @@ cuda_run_experts (MoeDevice           *device,
   MoeCpuActivation act;
   MoeCudaExperts e = { 0, };
   const char *msg;
+  gboolean is_quantized = moe_tensor_get_dtype (up) == MOE_DTYPE_F8E4M3 || moe_tensor_get_dtype (up) == MOE_DTYPE_I8;
 
-  if (moe_tensor_get_dtype (up) != dtype)
+  if (moe_tensor_get_dtype (up) != dtype && !is_quantized)
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
                    "On cuda hidden_states must have the experts' dtype %s, not %s",
@@ -353,6 +359,28 @@ cuda_run_experts (MoeDevice           *device,
   e.ids = moe_tensor_get_data (ids);
   e.routing = moe_tensor_get_data (top_k_weights);
   e.bad_id = self->bad_id_device;
+  if (is_quantized)
+    {
+      MoeTensor *us = moe_experts_get_up_weight_scale (experts), *ds = moe_experts_get_down_weight_scale (experts);
+      MoeTensor *biases[] = { moe_experts_get_up_bias (experts), moe_experts_get_down_bias (experts) };
+      for (guint i = 0; i < G_N_ELEMENTS (biases); i++)
+        if (biases[i] != NULL && moe_tensor_get_dtype (biases[i]) != dtype)
+          {
+            g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
+                         "On cuda the biases of quantized experts must have the hidden states' dtype %s",
+                         moe_dtype_get_name (dtype));
+            return NULL;
+          }
+      e.weight_format = moe_tensor_get_dtype (up) == MOE_DTYPE_I8 ? MOE_CUDA_WEIGHTS_FP4 : MOE_CUDA_WEIGHTS_FP8;
+      e.scale_dtype = moe_tensor_get_dtype (us) == MOE_DTYPE_E8M0 ? MOE_CUDA_E8M0 : MOE_CUDA_F32;
+      e.up_scale = moe_tensor_get_data (us);
+      e.down_scale = moe_tensor_get_data (ds);
+      e.up_scale_rows = moe_tensor_get_dim (us, 1);
+      /* gate and up scaled as two matrices (fused per-expert checkpoint scales) */
+      if (e.weight_format == MOE_CUDA_WEIGHTS_FP8 && e.has_gate &&
+          e.up_scale_rows == 2 * ((e.inter + 127) / 128) && e.up_scale_rows != (2 * e.inter + 127) / 128)
+        e.up_scale_split = e.inter;
+    }
 
   out = moe_tensor_new_empty (device, dtype, moe_tensor_get_shape (hidden_states, NULL), 2, error);
   if (out == NULL)

@@ -52,6 +52,44 @@ test_fixture_f16 (gconstpointer data)
   check_fixture (data, MOE_DTYPE_F16, 2e-2);
 }
 
+/* FP8/FP4 experts: batched_mm and grouped_mm with the dynamic activation
+ * scheme, against transformers' output_ref_dyn; eager says it does not. */
+static const char *quant_fixtures[] = {
+  "fp8_aligned", "fp8_partial_blocks", "fp8_ue8m0_aligned", "fp8_ue8m0_partial_blocks",
+  "fp4_aligned", "fp4_wide",
+};
+
+static void
+check_quant (const char *name, MoeDType dtype, double tolerance)
+{
+  static const char *quant_backends[] = { "batched_mm", "grouped_mm", NULL };
+  g_autoptr(GPtrArray) outs = NULL;
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeTensor) none = NULL;
+  Case c = { 0, };
+
+  case_load_from (&c, "quant/experts", name, dtype, cuda);
+  outs = case_check_backends (&c, quant_backends, name, tolerance);
+  moe_experts_set_implementation (c.experts, "eager");
+  none = moe_experts_forward (c.experts, c.hidden, c.index, c.weights, &error);
+  g_assert_null (none);
+  g_assert_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED);
+  case_clear (&c);
+}
+
+static void
+test_quant_f32 (gconstpointer data)
+{
+  check_quant (data, MOE_DTYPE_F32, 1e-2);
+}
+
+/* as on the CPU: bf16 inputs move values across e4m3 rounding boundaries */
+static void
+test_quant_bf16 (gconstpointer data)
+{
+  check_quant (data, MOE_DTYPE_BF16, 5e-2);
+}
+
 /* The sentinel slot's routing weight poisoned: computing it would show. */
 static void
 test_sentinel (void)
@@ -318,6 +356,13 @@ main (int argc, char *argv[])
       g_test_add_data_func (p32, fixtures[i], test_fixture_f32);
       g_test_add_data_func (p16, fixtures[i], test_fixture_bf16);
       g_test_add_data_func (ph, fixtures[i], test_fixture_f16);
+    }
+  for (guint i = 0; i < G_N_ELEMENTS (quant_fixtures); i++)
+    {
+      g_autofree char *p32 = g_strdup_printf ("/cuda/quant/f32/%s", quant_fixtures[i]);
+      g_autofree char *p16 = g_strdup_printf ("/cuda/quant/bf16/%s", quant_fixtures[i]);
+      g_test_add_data_func (p32, quant_fixtures[i], test_quant_f32);
+      g_test_add_data_func (p16, quant_fixtures[i], test_quant_bf16);
     }
   g_test_add_func ("/cuda/experts/sentinel", test_sentinel);
   g_test_add_func ("/cuda/experts/int32-index", test_int32_index);
