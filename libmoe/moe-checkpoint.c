@@ -270,7 +270,7 @@ open_shard (MoeCheckpoint  *self,
 
   /* checked before parsing: json-glib would parse and leak the extra values */
   if (!_moe_json_is_single_value ((const char *) data + 8, header_len))
-    return bad (error, path, "the header has more text after its JSON object"), NULL;
+    return bad (error, path, "the header is not valid JSON: it must be one JSON object, with nothing before or after it"), NULL;
   parser = new_parser (&seen);
   if (!json_parser_load_from_data (parser, (const char *) data + 8, (gssize) header_len, &local))
     return bad (error, path, "the header is not valid JSON: %s", local->message), NULL;
@@ -374,7 +374,7 @@ open_index (MoeCheckpoint  *self,
     if (g_mapped_file_get_length (mapped) == 0)
       return bad (error, index_path, "is empty");
     if (!_moe_json_is_single_value (g_mapped_file_get_contents (mapped), g_mapped_file_get_length (mapped)))
-      return bad (error, index_path, "has more text after its JSON object");
+      return bad (error, index_path, "is not valid JSON: it must be one JSON object, with nothing before or after it");
     if (!json_parser_load_from_data (parser, g_mapped_file_get_contents (mapped),
                                      (gssize) g_mapped_file_get_length (mapped), &local))
       return bad (error, index_path, "not valid JSON: %s", local->message);

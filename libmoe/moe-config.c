@@ -98,37 +98,41 @@ config_new_for_node (JsonNode   *node,
 }
 
 /* json-glib 1.6 accepts `{…} {…}`: it keeps the first value and drops the
- * rest. A file with text after its top-level object is refused, as Python's
- * json and the safetensors reference refuse it. Returns TRUE if @data is one
- * JSON object (or not JSON at all: the parser reports that) and whitespace. */
+ * rest, and its scanner skips C comments and takes '…' strings. A file is
+ * taken only when it is one JSON object or array, alone but for whitespace,
+ * as Python's json and the safetensors reference take it: text before it
+ * (a stray "/", a comment), after it, or an unclosed one is refused here,
+ * before json-glib sees it. */
 gboolean
 _moe_json_is_single_value (const char *data,
                            gsize       length)
 {
   gsize i = 0, depth = 0;
-  gboolean in_string = FALSE;
+  char quote = 0;
 
   while (i < length && g_ascii_isspace (data[i]))
     i++;
   if (i == length || (data[i] != '{' && data[i] != '['))
-    return TRUE;
+    return FALSE;
   for (; i < length; i++)
     {
       char c = data[i];
-      if (in_string)
+      if (quote != 0)
         {
           if (c == '\\')
             i++;
-          else if (c == '"')
-            in_string = FALSE;
+          else if (c == quote)
+            quote = 0;
         }
-      else if (c == '"')
-        in_string = TRUE;
+      else if (c == '"' || c == '\'')
+        quote = c;
       else if (c == '{' || c == '[')
         depth++;
       else if ((c == '}' || c == ']') && --depth == 0)
         break;
     }
+  if (i >= length)
+    return FALSE;   /* never closed */
   for (i++; i < length; i++)
     if (!g_ascii_isspace (data[i]) && data[i] != '\0')
       return FALSE;
@@ -171,7 +175,7 @@ moe_config_new_from_data (const char  *data,
   if (!_moe_json_is_single_value (data, length < 0 ? strlen (data) : (gsize) length))
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG,
-                   "The config has more text after its JSON object");
+                   "The config is not valid JSON: it must be one JSON object, with nothing before or after it");
       return NULL;
     }
   if (!json_parser_load_from_data (parser, data, length, &local))
