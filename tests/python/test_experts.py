@@ -311,6 +311,22 @@ class QuantizedExpertsTest(unittest.TestCase):
         self.assertTrue(cm.exception.matches(Moe.error_quark(), Moe.Error.INVALID_ARGUMENT))
         self.assertIn('scale', cm.exception.message)
 
+    def test_quantize_by_introspection(self):
+        # a float weight quantized to FP4 and FP8 through the introspected API
+        w = Moe.Tensor.new_from_bytes(Moe.DType.F32, [64, 64],
+                                      GLib.Bytes(array.array('f', [((i * 37) % 101 - 50) / 100.0
+                                                                   for i in range(64 * 64)]).tobytes()))
+        q, scale = w.quantize(Moe.QuantFormat.FP4)
+        self.assertEqual((q.get_dtype(), q.get_shape()), (Moe.DType.I8, [64, 32]))
+        self.assertEqual((scale.get_dtype(), scale.get_shape()), (Moe.DType.E8M0, [64, 2]))
+        q, scale = w.quantize(Moe.QuantFormat.FP8)
+        self.assertEqual((q.get_dtype(), scale.get_dtype(), scale.get_shape()),
+                         (Moe.DType.F8E4M3, Moe.DType.F32, [1, 1]))
+        opts = Moe.LoadOptions()
+        self.assertFalse(opts.props.dequantize)
+        opts.props.dequantize = True
+        self.assertTrue(opts.get_dequantize())
+
     def test_plain_experts_dtype(self):
         ck = Moe.Checkpoint.open(FIXTURES[0])
         self.assertEqual(make_experts(ck, 'eager').props.expert_dtype, 'f32')
