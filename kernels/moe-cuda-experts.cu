@@ -146,6 +146,26 @@ fp4_to_f (unsigned code)
   return (code & 8) ? -v : v;
 }
 
+/* The scale of quantized weight row `row`, input k, of expert e: FP8 one
+ * per 128×128 block, FP4 one per row and 32 inputs. */
+template <int WF, int MODE>
+__device__ __forceinline__ float
+weight_scale (const MoeCudaExperts &p, int e, int row, int k)
+{
+  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
+  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+  const void *sc = MODE == MODE_DOWN ? p.down_scale : p.up_scale;
+
+  if constexpr (WF == MOE_CUDA_WEIGHTS_FP4)
+    return e8m0_to_f (((const unsigned char *) sc)[((size_t) e * nw + row) * (K / 32) + k / 32]);
+  const int cols = (K + 127) / 128;
+  const int rows = MODE == MODE_DOWN ? (nw + 127) / 128 : p.up_scale_rows;
+  const int split = MODE == MODE_DOWN ? 0 : p.up_scale_split;
+  const int sr = split == 0 ? row / 128 : (row < split ? row / 128 : (split + 127) / 128 + (row - split) / 128);
+  const size_t si = ((size_t) e * rows + sr) * cols + k / 128;
+  return p.scale_dtype == MOE_CUDA_E8M0 ? e8m0_to_f (((const unsigned char *) sc)[si]) : ((const float *) sc)[si];
+}
+
 /* Weight row `row` (an output feature), input k, of expert e, multiplied
  * out: plain T, FP8 × its block's scale, or FP4 × its group's scale. */
 template <typename T, int WF, int MODE>
@@ -164,22 +184,45 @@ weight_at (const MoeCudaExperts &p, int e, int row, int k)
   else if constexpr (WF == MOE_CUDA_WEIGHTS_FP8)
     {
       const unsigned char *w = (const unsigned char *) base + (size_t) e * nw * K;
-      const int cols = (K + 127) / 128;
-      const int rows = MODE == MODE_DOWN ? (nw + 127) / 128 : p.up_scale_rows;
-      const int split = MODE == MODE_DOWN ? 0 : p.up_scale_split;
-      const int sr = split == 0 ? row / 128 : (row < split ? row / 128 : (split + 127) / 128 + (row - split) / 128);
-      const void *sc = MODE == MODE_DOWN ? p.down_scale : p.up_scale;
-      const size_t si = ((size_t) e * rows + sr) * cols + k / 128;
-      float s = p.scale_dtype == MOE_CUDA_E8M0 ? e8m0_to_f (((const unsigned char *) sc)[si]) : ((const float *) sc)[si];
-      return e4m3_to_f (w[(size_t) row * K + k]) * s;
+      return e4m3_to_f (w[(size_t) row * K + k]) * weight_scale<WF, MODE> (p, e, row, k);
     }
   else
     {
       const unsigned char *w = (const unsigned char *) base + (size_t) e * nw * (K / 2);
-      const unsigned char *sc = (const unsigned char *) (MODE == MODE_DOWN ? p.down_scale : p.up_scale);
       unsigned b = w[(size_t) row * (K / 2) + k / 2];
-      return fp4_to_f ((k & 1) ? b >> 4 : b & 15) * e8m0_to_f (sc[((size_t) e * nw + row) * (K / 32) + k / 32]);
+      return fp4_to_f ((k & 1) ? b >> 4 : b & 15) * weight_scale<WF, MODE> (p, e, row, k);
     }
+}
+
+/* One lane's share of a quantized weight row · x (x float, in shared
+ * memory): 16-byte loads, each inside one scale block or group, the scale
+ * applied to its partial sum. Needs K a multiple of 16 (FP8) or 32 (FP4). */
+template <int WF, int MODE>
+__device__ __forceinline__ float
+dot_quantized (const MoeCudaExperts &p, int e, int row, const float *x, int lane)
+{
+  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
+  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+  const unsigned char *base = (const unsigned char *) (MODE == MODE_DOWN ? p.down : p.up);
+  constexpr int PER = WF == MOE_CUDA_WEIGHTS_FP8 ? 16 : 32;     /* values in 16 bytes */
+  constexpr int DIV = PER / 16;                                 /* values per byte */
+  const unsigned char *w = base + ((size_t) e * nw + row) * (size_t) (K / DIV);
+  float acc = 0.0f;
+
+  for (int k0 = lane * PER; k0 < K; k0 += 32 * PER)
+    {
+      uint4 v = __ldg ((const uint4 *) (w + k0 / DIV));
+      const unsigned char *b = (const unsigned char *) &v;
+      float part = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; i++)
+        if constexpr (WF == MOE_CUDA_WEIGHTS_FP8)
+          part += e4m3_to_f (b[i]) * x[k0 + i];
+        else
+          part += fp4_to_f (b[i] & 15) * x[k0 + 2 * i] + fp4_to_f (b[i] >> 4) * x[k0 + 2 * i + 1];
+      acc += part * weight_scale<WF, MODE> (p, e, row, k0);
+    }
+  return acc;
 }
 
 /* The dynamic activation scheme: each row's 128-wide groups scaled by
@@ -872,12 +915,19 @@ rowwise (MoeCudaExperts p, const TA *src_rows, T *h, T *y)
         return;
       if (MODE == MODE_GATE_UP)
         gate_up_rows (p, o, &gr, &ur);
-      for (int k = lane; k < K; k += 32)
+      if (K % (WF == MOE_CUDA_WEIGHTS_FP8 ? 16 : 32) == 0)
         {
-          u += weight_at<T, WF, MODE> (p, e, ur, k) * xs[k];
+          u = dot_quantized<WF, MODE> (p, e, ur, xs, lane);
           if (MODE == MODE_GATE_UP && p.has_gate)
-            g += weight_at<T, WF, MODE> (p, e, gr, k) * xs[k];
+            g = dot_quantized<WF, MODE> (p, e, gr, xs, lane);
         }
+      else
+        for (int k = lane; k < K; k += 32)
+          {
+            u += weight_at<T, WF, MODE> (p, e, ur, k) * xs[k];
+            if (MODE == MODE_GATE_UP && p.has_gate)
+              g += weight_at<T, WF, MODE> (p, e, gr, k) * xs[k];
+          }
 #pragma unroll
       for (int off = 16; off > 0; off /= 2)
         {
