@@ -512,6 +512,8 @@ load_layer (MoeTransformer *self, MoeConfig *c, Loader *l, guint i, gboolean spa
 
   L->input_norm = load_f32 (l, N ("input_layernorm.weight"), TRUE, H);
   L->post_norm = load_f32 (l, N ("post_attention_layernorm.weight"), TRUE, H);
+  if (*error != NULL)
+    return FALSE;   /* a missing norm: layer_window () would set @error over it */
   L->window = layer_window (self, c, i, error);
   if (*error != NULL)
     return FALSE;
