@@ -466,6 +466,57 @@ test_quantize_checkpoint (gconstpointer data)
   g_rmdir (tmp);
 }
 
+/* What the quantizer refuses, each with a clear error. */
+static void
+test_quantize_refusals (void)
+{
+  g_autoptr(GError) error = NULL;
+  g_autofree char *tmp = g_dir_make_tmp ("moe-quantize-bad-XXXXXX", NULL);
+  g_autofree char *dst = g_build_filename (tmp, "out", NULL);
+
+  /* FP4 needs inputs in groups of 32 */
+  {
+    gint64 shape[2] = { 4, 40 };
+    g_autoptr(MoeTensor) w = moe_tensor_new_zeros (MOE_DTYPE_F32, shape, 2, NULL);
+    g_autoptr(MoeTensor) scale = NULL;
+    g_autoptr(MoeTensor) q = moe_tensor_quantize (w, MOE_QUANT_FORMAT_FP4, &scale, &error);
+    g_assert_null (q);
+    g_assert_error (error, MOE_ERROR, MOE_ERROR_SHAPE_MISMATCH);
+    g_assert_nonnull (strstr (error->message, "32"));
+    g_clear_error (&error);
+  }
+  /* only float matrices */
+  {
+    gint64 shape[1] = { 64 };
+    g_autoptr(MoeTensor) v = moe_tensor_new_zeros (MOE_DTYPE_F32, shape, 1, NULL);
+    g_autoptr(MoeTensor) scale = NULL;
+    g_autoptr(MoeTensor) q = moe_tensor_quantize (v, MOE_QUANT_FORMAT_FP8, &scale, &error);
+    g_assert_null (q);
+    g_assert_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT);
+    g_clear_error (&error);
+  }
+  /* fused on-disk experts (GPT-OSS) are not quantized, and nothing is left behind */
+  {
+    g_autofree char *src = moe_test_data_path ("models", "gpt_oss", NULL);
+    g_assert_false (moe_quantize_checkpoint (src, dst, MOE_QUANT_FORMAT_FP8, NULL, &error));
+    g_assert_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED);
+    g_test_message ("%s", error->message);
+    g_clear_error (&error);
+    g_assert_false (g_file_test (dst, G_FILE_TEST_EXISTS));
+  }
+  /* a source that is no checkpoint directory */
+  g_assert_false (moe_quantize_checkpoint ("/nonexistent/model", dst, MOE_QUANT_FORMAT_FP8, NULL, &error));
+  g_assert_error (error, MOE_ERROR, MOE_ERROR_NOT_FOUND);
+  g_clear_error (&error);
+  {
+    MoeQuantFormat f;
+    g_assert_true (moe_quant_format_from_name ("fp8-ue8m0", &f));
+    g_assert_cmpint (f, ==, MOE_QUANT_FORMAT_FP8_UE8M0);
+    g_assert_false (moe_quant_format_from_name ("int4", &f));
+  }
+  g_rmdir (tmp);
+}
+
 /* transformers reads libmoe's quantized checkpoints as libmoe does: its
  * float32 logits with FineGrainedFP8Config(dequantize=True) on checkpoints
  * that `moe quantize` wrote (tests/data/quant/readback, recorded by
@@ -545,6 +596,7 @@ main (int argc, char *argv[])
   g_test_add_data_func ("/quant/quantize/checkpoint/fp8", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP8), test_quantize_checkpoint);
   g_test_add_data_func ("/quant/quantize/checkpoint/fp8-ue8m0", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP8_UE8M0), test_quantize_checkpoint);
   g_test_add_data_func ("/quant/quantize/checkpoint/fp4", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP4), test_quantize_checkpoint);
+  g_test_add_func ("/quant/quantize/refusals", test_quantize_refusals);
   {
     static const char *readback[] = {
       "qwen3_moe_fp8", "qwen3_moe_fp8-ue8m0", "qwen3_moe_fp4",
