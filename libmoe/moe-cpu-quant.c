@@ -137,7 +137,7 @@ load_scale (MoeDType dtype, gconstpointer scale, gsize i)
 gboolean
 moe_cpu_matrix_is_quantized (const MoeCpuMatrix *w)
 {
-  return w->dtype == MOE_DTYPE_F8E4M3 || w->dtype == MOE_DTYPE_I8;
+  return _moe_dtype_is_quantized_weight (w->dtype);
 }
 
 /* The scale row of weight row r: blocks over all rows, or over each half

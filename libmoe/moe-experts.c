@@ -713,12 +713,6 @@ check_shape (MoeTensor    *t,
   return FALSE;
 }
 
-static gboolean
-is_quantized (MoeDType d)
-{
-  return d == MOE_DTYPE_F8E4M3 || d == MOE_DTYPE_I8;
-}
-
 /* Plain weights (F32/BF16/F16, any mix), or FP8 or FP4 weights on both
  * projections with their scales, untransposed. */
 static gboolean
@@ -727,7 +721,7 @@ check_weights_format (MoeExperts  *self,
 {
   MoeDType up = moe_tensor_get_dtype (self->up_weight), down = moe_tensor_get_dtype (self->down_weight);
 
-  if (!is_quantized (up) && !is_quantized (down))
+  if (!_moe_dtype_is_quantized_weight (up) && !_moe_dtype_is_quantized_weight (down))
     {
       const char *which = self->up_weight_scale != NULL ? "up-weight-scale" : "down-weight-scale";
       if (!check_weight_dtype (self->up_weight, "up-weight", error) ||
@@ -798,7 +792,7 @@ check_scales (MoeExperts  *self,
 {
   MoeDType w = moe_tensor_get_dtype (self->up_weight);
 
-  if (!is_quantized (w))
+  if (!_moe_dtype_is_quantized_weight (w))
     return TRUE;
   if (w == MOE_DTYPE_I8)
     {

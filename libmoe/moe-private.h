@@ -29,6 +29,14 @@ void __tsan_release (void *addr);
 # define moe_handoff_acquire(p) ((void) (p))
 #endif
 
+/* Expert and linear weights stored quantized: FP8 (F8E4M3) or FP4 packed
+ * two per byte (I8). */
+static inline gboolean
+_moe_dtype_is_quantized_weight (MoeDType d)
+{
+  return d == MOE_DTYPE_F8E4M3 || d == MOE_DTYPE_I8;
+}
+
 /* moe-cpu-quant.c: moe_cpu_matmul() on FP8/FP4 weights (dynamic activations) */
 void     _moe_cpu_matmul_quantized    (const float        *x,
                                        gsize               m,

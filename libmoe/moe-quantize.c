@@ -423,13 +423,8 @@ write_config (const char *src_dir, const char *path, MoeQuantFormat format, GPtr
       g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_CONFIG, "%s: not a JSON object", src);
       return FALSE;
     }
+  /* moe_quantize_checkpoint() refused a quantization_config already */
   root = json_node_get_object (json_parser_get_root (parser));
-  if (json_object_has_member (root, "quantization_config"))
-    {
-      g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
-                   "%s: the checkpoint is quantized already (it has a quantization_config)", src);
-      return FALSE;
-    }
   q = json_object_new ();
   json_object_set_string_member (q, "quant_method", "fp8");
   json_object_set_string_member (q, "fmt", "e4m3");

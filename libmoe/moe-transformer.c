@@ -181,12 +181,6 @@ load_f32 (Loader *l, const char *name, gboolean required, gint64 size)
   return t ? moe_cpu_tensor_dup_f32 (t) : NULL;
 }
 
-static gboolean
-is_quantized_dtype (MoeDType d)
-{
-  return d == MOE_DTYPE_F8E4M3 || d == MOE_DTYPE_I8;
-}
-
 /* A quantized linear's weight [out, in] (FP8) or [out, in/2] (FP4) and its
  * weight_scale_inv [⌈out/128⌉, ⌈in/128⌉] or [out, in/32]. */
 static void
@@ -256,7 +250,7 @@ load_linear (Loader *l, Linear *lin, const char *name, gint64 out, gint64 in, gb
       MoeDType d;
       if (!moe_checkpoint_get_tensor_info (l->ck, w, &d, NULL, l->error))
         return;
-      if (is_quantized_dtype (d))
+      if (_moe_dtype_is_quantized_weight (d))
         {
           g_autoptr(MoeTensor) q = moe_checkpoint_get_tensor (l->ck, w, l->error);
           if (q != NULL)
@@ -589,7 +583,7 @@ load_layer (MoeTransformer *self, MoeConfig *c, Loader *l, guint i, gboolean spa
     L->experts = moe_checkpoint_load_experts (l->ck, experts_prefix, error);
     if (L->experts == NULL)
       return FALSE;
-    if (is_quantized_dtype (moe_tensor_get_dtype (moe_experts_get_up_weight (L->experts))) &&
+    if (_moe_dtype_is_quantized_weight (moe_tensor_get_dtype (moe_experts_get_up_weight (L->experts))) &&
         !load_quantized_experts (l, L, error))
       return FALSE;
     if (moe_experts_get_up_weight_scale (L->experts) == NULL &&
