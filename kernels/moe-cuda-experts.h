@@ -21,7 +21,7 @@ enum { MOE_CUDA_F32 = 0, MOE_CUDA_F16 = 1, MOE_CUDA_BF16 = 2, MOE_CUDA_E8M0 = 5 
 enum { MOE_CUDA_WEIGHTS_PLAIN, MOE_CUDA_WEIGHTS_FP8, MOE_CUDA_WEIGHTS_FP4 };
 enum { MOE_CUDA_ACT_SILU, MOE_CUDA_ACT_GELU, MOE_CUDA_ACT_GELU_TANH, MOE_CUDA_ACT_RELU };
 /* The numbering of MoeExpertsSchedule. */
-enum { MOE_CUDA_PER_EXPERT, MOE_CUDA_PER_ROW, MOE_CUDA_GROUPED };
+enum { MOE_CUDA_PER_EXPERT, MOE_CUDA_PER_ROW, MOE_CUDA_GROUPED, MOE_CUDA_DEEPGEMM, MOE_CUDA_FUSED };
 
 typedef struct {
   int dtype;            /* hidden states, weights, biases and output */

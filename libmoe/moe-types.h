@@ -67,6 +67,15 @@ typedef enum {
  *   its own expert's weights read in place ("batched_mm")
  * @MOE_EXPERTS_SCHEDULE_GROUPED: rows sorted by expert, one grouped matrix
  *   product per projection over contiguous row ranges ("grouped_mm")
+ * @MOE_EXPERTS_SCHEDULE_DEEPGEMM: rows sorted by expert into groups padded to
+ *   the GEMM's m-tile, grouped GEMMs compiled just in time for the shapes
+ *   with the CUDA toolkit; bf16 or FP8 block-scaled experts, SM90+ ("deepgemm")
+ * @MOE_EXPERTS_SCHEDULE_FUSED: the whole routed forward (gather, gated up
+ *   projection, activation, down projection, weighted combine) in a few
+ *   fused kernels; bf16, gated experts, SM90+ ("sonicmoe")
+ * @MOE_EXPERTS_SCHEDULE_FUSED_EXPERT_PARALLEL: one kernel doing dispatch,
+ *   both projections and combine across expert-parallel ranks; FP4 experts
+ *   with UE8M0 scales on Blackwell (SM100) ("deepgemm_megamoe")
  *
  * How an experts backend orders the experts' matrix products; a device
  * other than the CPU runs the built-in backends by their schedule.
@@ -75,6 +84,9 @@ typedef enum {
   MOE_EXPERTS_SCHEDULE_PER_EXPERT,
   MOE_EXPERTS_SCHEDULE_PER_ROW,
   MOE_EXPERTS_SCHEDULE_GROUPED,
+  MOE_EXPERTS_SCHEDULE_DEEPGEMM,
+  MOE_EXPERTS_SCHEDULE_FUSED,
+  MOE_EXPERTS_SCHEDULE_FUSED_EXPERT_PARALLEL,
 } MoeExpertsSchedule;
 
 MOE_AVAILABLE_IN_ALL
