@@ -15,741 +15,13 @@
  * SPDX-License-Identifier: LGPL-2.1-or-later
  */
 #include "moe-cuda-experts.h"
+#include "moe-cuda-gemm.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cublas_v2.h>
 #include <cstdlib>
-#include <type_traits>
 #include <vector>
 
 namespace {
-
-/* ---- element types ---------------------------------------------------- */
-
-__device__ __forceinline__ float to_f (float v) { return v; }
-__device__ __forceinline__ float to_f (__nv_bfloat16 v) { return __bfloat162float (v); }
-__device__ __forceinline__ float to_f (__half v) { return __half2float (v); }
-
-template <typename T> __device__ __forceinline__ T from_f (float v);
-template <> __device__ __forceinline__ float from_f<float> (float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16> (float v) { return __float2bfloat16_rn (v); }
-template <> __device__ __forceinline__ __half from_f<__half> (float v) { return __float2half_rn (v); }
-
-template <typename T> __device__ __forceinline__ float rnd (float v) { return to_f (from_f<T> (v)); }
-
-__device__ __forceinline__ float
-load_any (const void *p, int dtype, size_t i)
-{
-  switch (dtype)
-    {
-    case MOE_CUDA_BF16: return __bfloat162float (((const __nv_bfloat16 *) p)[i]);
-    case MOE_CUDA_F16: return __half2float (((const __half *) p)[i]);
-    default: return ((const float *) p)[i];
-    }
-}
-
-__device__ __forceinline__ float
-activate (int act, float v)
-{
-  switch (act)
-    {
-    case MOE_CUDA_ACT_SILU: return v / (1.0f + expf (-v));
-    case MOE_CUDA_ACT_GELU: return 0.5f * v * (1.0f + erff (v * 0.70710678118654752f));
-    case MOE_CUDA_ACT_GELU_TANH:
-      return 0.5f * v * (1.0f + tanhf (0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    default: return v > 0.0f ? v : 0.0f;
-    }
-}
-
-/* ---- what one expert computes, one output at a time -------------------- */
-
-/* The activation input: gate and up raw products of weight rows gr and ur. */
-template <typename T>
-__device__ __forceinline__ float
-gate_up_finish (const MoeCudaExperts &p, int e, int gr, int ur, float g, float u)
-{
-  int upn = p.has_gate ? 2 * p.inter : p.inter;
-  const T *bias = (const T *) p.up_bias;
-
-  u = rnd<T> (u);
-  if (bias != nullptr)
-    u = rnd<T> (u + to_f (bias[(size_t) e * upn + ur]));
-  if (!p.has_gate)
-    return rnd<T> (activate (p.activation, u));
-  g = rnd<T> (g);
-  if (bias != nullptr)
-    g = rnd<T> (g + to_f (bias[(size_t) e * upn + gr]));
-  if (p.interleaved)
-    {
-      g = fminf (g, p.limit);
-      u = fminf (fmaxf (u, -p.limit), p.limit);
-      float sig = rnd<T> (1.0f / (1.0f + expf (-rnd<T> (p.alpha * g))));
-      float glu = rnd<T> (g * sig);
-      return rnd<T> (rnd<T> (u + 1.0f) * glu);
-    }
-  return rnd<T> (rnd<T> (activate (p.activation, g)) * u);
-}
-
-template <typename T>
-__device__ __forceinline__ float
-down_finish (const MoeCudaExperts &p, int e, int n, float y)
-{
-  const T *bias = (const T *) p.down_bias;
-
-  y = rnd<T> (y);
-  if (bias != nullptr)
-    y = rnd<T> (y + to_f (bias[(size_t) e * p.hidden + n]));
-  return y;
-}
-
-/* The weight rows behind output column j of h: gate row and up row. */
-__device__ __forceinline__ void
-gate_up_rows (const MoeCudaExperts &p, int j, int *gr, int *ur)
-{
-  if (!p.has_gate)
-    *gr = *ur = j;
-  else if (p.interleaved)
-    *gr = 2 * j, *ur = 2 * j + 1;
-  else
-    *gr = j, *ur = p.inter + j;
-}
-
-/* The two projections: gate_up reads x (gathered by token) and writes h,
- * down reads h and writes y. */
-enum { MODE_GATE_UP, MODE_DOWN };
-
-/* ---- quantized weights: one value at a time ---------------------------- */
-
-__device__ __forceinline__ float
-e4m3_to_f (unsigned b)
-{
-  unsigned e = (b >> 3) & 15, m = b & 7;
-  float v = e ? __int_as_float ((int) (((e + 120) << 23) | (m << 20))) : (float) m * (1.0f / 512.0f);
-  if (e == 15 && m == 7)
-    v = __int_as_float (0x7fc00000);
-  return (b & 0x80) ? -v : v;
-}
-
-__device__ __forceinline__ float
-e8m0_to_f (unsigned b)
-{
-  return b == 0 ? 5.877471754e-39f : (b == 255 ? __int_as_float (0x7fc00000) : __int_as_float ((int) (b << 23)));
-}
-
-__device__ __forceinline__ float
-fp4_to_f (unsigned code)
-{
-  const float mag[8] = { 0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f };
-  float v = mag[code & 7];
-  return (code & 8) ? -v : v;
-}
-
-/* The scale of quantized weight row `row`, input k, of expert e: FP8 one
- * per 128×128 block, FP4 one per row and 32 inputs. */
-template <int WF, int MODE>
-__device__ __forceinline__ float
-weight_scale (const MoeCudaExperts &p, int e, int row, int k)
-{
-  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
-  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
-  const void *sc = MODE == MODE_DOWN ? p.down_scale : p.up_scale;
-
-  if constexpr (WF == MOE_CUDA_WEIGHTS_FP4)
-    return e8m0_to_f (((const unsigned char *) sc)[((size_t) e * nw + row) * (K / 32) + k / 32]);
-  const int cols = (K + 127) / 128;
-  const int rows = MODE == MODE_DOWN ? (nw + 127) / 128 : p.up_scale_rows;
-  const int split = MODE == MODE_DOWN ? 0 : p.up_scale_split;
-  const int sr = split == 0 ? row / 128 : (row < split ? row / 128 : (split + 127) / 128 + (row - split) / 128);
-  const size_t si = ((size_t) e * rows + sr) * cols + k / 128;
-  return p.scale_dtype == MOE_CUDA_E8M0 ? e8m0_to_f (((const unsigned char *) sc)[si]) : ((const float *) sc)[si];
-}
-
-/* Weight row `row` (an output feature), input k, of expert e, multiplied
- * out: plain T, FP8 × its block's scale, or FP4 × its group's scale. */
-template <typename T, int WF, int MODE>
-__device__ __forceinline__ float
-weight_at (const MoeCudaExperts &p, int e, int row, int k)
-{
-  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
-  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
-  const void *base = MODE == MODE_DOWN ? p.down : p.up;
-
-  if constexpr (WF == MOE_CUDA_WEIGHTS_PLAIN)
-    {
-      const T *w = (const T *) base + (size_t) e * nw * K;
-      return to_f (p.transposed ? w[(size_t) k * nw + row] : w[(size_t) row * K + k]);
-    }
-  else if constexpr (WF == MOE_CUDA_WEIGHTS_FP8)
-    {
-      const unsigned char *w = (const unsigned char *) base + (size_t) e * nw * K;
-      return e4m3_to_f (w[(size_t) row * K + k]) * weight_scale<WF, MODE> (p, e, row, k);
-    }
-  else
-    {
-      const unsigned char *w = (const unsigned char *) base + (size_t) e * nw * (K / 2);
-      unsigned b = w[(size_t) row * (K / 2) + k / 2];
-      return fp4_to_f ((k & 1) ? b >> 4 : b & 15) * weight_scale<WF, MODE> (p, e, row, k);
-    }
-}
-
-/* One lane's share of a quantized weight row · x (x float, in shared
- * memory): 16-byte loads, each inside one scale block or group, the scale
- * applied to its partial sum. Needs K a multiple of 16 (FP8) or 32 (FP4). */
-template <int WF, int MODE>
-__device__ __forceinline__ float
-dot_quantized (const MoeCudaExperts &p, int e, int row, const float *x, int lane)
-{
-  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
-  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
-  const unsigned char *base = (const unsigned char *) (MODE == MODE_DOWN ? p.down : p.up);
-  constexpr int PER = WF == MOE_CUDA_WEIGHTS_FP8 ? 16 : 32;     /* values in 16 bytes */
-  constexpr int DIV = PER / 16;                                 /* values per byte */
-  const unsigned char *w = base + ((size_t) e * nw + row) * (size_t) (K / DIV);
-  float acc = 0.0f;
-
-  for (int k0 = lane * PER; k0 < K; k0 += 32 * PER)
-    {
-      uint4 v = __ldg ((const uint4 *) (w + k0 / DIV));
-      const unsigned char *b = (const unsigned char *) &v;
-      float part = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 16; i++)
-        if constexpr (WF == MOE_CUDA_WEIGHTS_FP8)
-          part += e4m3_to_f (b[i]) * x[k0 + i];
-        else
-          part += fp4_to_f (b[i] & 15) * x[k0 + 2 * i] + fp4_to_f (b[i] >> 4) * x[k0 + 2 * i + 1];
-      acc += part * weight_scale<WF, MODE> (p, e, row, k0);
-    }
-  return acc;
-}
-
-/* The dynamic activation scheme: each row's 128-wide groups scaled by
- * amax / 448 (1 when all zero), rounded to e4m3 (nearest even, saturated)
- * and scaled back, as float. One block a row, one warp a group. */
-template <typename T>
-__global__ void __launch_bounds__ (256)
-quantize_activations (const T *in, int K, float *out)
-{
-  const size_t row = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
-  for (int g = warp * 128; g < K; g += 8 * 128)
-    {
-      float v[4], amax = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-        {
-          int k = g + lane + 32 * j;
-          v[j] = k < K ? to_f (in[row * K + k]) : 0.0f;
-          amax = fmaxf (amax, fabsf (v[j]));
-        }
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2)
-        amax = fmaxf (amax, __shfl_xor_sync (0xffffffffu, amax, o));
-      float s = amax > 0.0f ? amax / 448.0f : 1.0f;
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-        {
-          int k = g + lane + 32 * j;
-          if (k < K)
-            {
-              __nv_fp8_storage_t q = __nv_cvt_float_to_fp8 (v[j] / s, __NV_SATFINITE, __NV_E4M3);
-              out[row * K + k] = e4m3_to_f (q) * s;
-            }
-        }
-    }
-}
-
-/* ---- routing: rows sorted by expert, on the device --------------------- */
-
-struct Route {
-  int *counts;      /* [E] */
-  int *cursor;      /* [E] */
-  int *offsets;     /* [E + 1]: first sorted row of each expert */
-  int *tile_start;  /* [E + 1]: first m-tile of each expert */
-  int *sorted_pair; /* [S]: sorted row -> t * K + k */
-};
-
-/* One block sorts every (token, slot) row by expert: zero the counts, count,
- * scan the counts and the m-tiles per expert, scatter. One launch: at
- * decode sizes the launches, not the work, are what costs. */
-__global__ void __launch_bounds__ (1024)
-route (const int64_t *ids, int S, int E, int bm, Route r)
-{
-  __shared__ int rows_sum[1024], tiles_sum[1024];
-  const int n = blockDim.x, tid = threadIdx.x;
-  const int per = (E + n - 1) / n, lo = tid * per, hi = min (lo + per, E);
-  int rows = 0, tiles = 0;
-
-  for (int e = tid; e < E; e += n)
-    r.counts[e] = 0, r.cursor[e] = 0;
-  __syncthreads ();
-  for (int i = tid; i < S; i += n)
-    if ((unsigned long long) ids[i] < (unsigned long long) E)
-      atomicAdd (&r.counts[ids[i]], 1);
-  __syncthreads ();
-
-  for (int e = lo; e < hi; e++)
-    rows += r.counts[e], tiles += (r.counts[e] + bm - 1) / bm;
-  rows_sum[tid] = rows;
-  tiles_sum[tid] = tiles;
-  __syncthreads ();
-  for (int step = 1; step < n; step *= 2)
-    {
-      int a = tid >= step ? rows_sum[tid - step] : 0;
-      int b = tid >= step ? tiles_sum[tid - step] : 0;
-      __syncthreads ();
-      rows_sum[tid] += a;
-      tiles_sum[tid] += b;
-      __syncthreads ();
-    }
-  rows = rows_sum[tid] - rows;
-  tiles = tiles_sum[tid] - tiles;
-  for (int e = lo; e < hi; e++)
-    {
-      r.offsets[e] = rows;
-      r.tile_start[e] = tiles;
-      rows += r.counts[e];
-      tiles += (r.counts[e] + bm - 1) / bm;
-    }
-  if (tid == n - 1)
-    r.offsets[E] = rows_sum[tid], r.tile_start[E] = tiles_sum[tid];
-  __syncthreads ();
-
-  for (int i = tid; i < S; i += n)
-    if ((unsigned long long) ids[i] < (unsigned long long) E)
-      r.sorted_pair[r.offsets[ids[i]] + atomicAdd (&r.cursor[ids[i]], 1)] = i;
-}
-
-/* ---- grouped GEMM -------------------------------------------------------
- *
- * C[rows of expert e, tile cols] = A[rows] · W_eᵀ, one CTA per (m-tile,
- * n-tile). MODE_GATE_UP gathers A from x by token and writes h (sorted
- * rows); MODE_DOWN reads h and writes y by (token, slot). */
-
-struct Tile {
-  int e, row0, rows;      /* expert, first sorted row, rows in this tile */
-};
-
-/* m-tile -> expert by binary search over tile_start; false past the end. */
-__device__ __forceinline__ bool
-find_tile (const Route &r, int E, int bm, int mt, Tile *t)
-{
-  if (mt >= r.tile_start[E])
-    return false;
-  int lo = 0, hi = E - 1;
-  while (lo < hi)
-    {
-      int mid = (lo + hi + 1) / 2;
-      if (r.tile_start[mid] <= mt)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-  t->e = lo;
-  t->row0 = r.offsets[lo] + (mt - r.tile_start[lo]) * bm;
-  t->rows = min (bm, r.offsets[lo + 1] - t->row0);
-  return true;
-}
-
-/* Tile column c (of bn) of n-tile nt -> the weight row it multiplies, or -1.
- * Gated tiles hold bn/2 outputs: gate rows in the first half and up rows in
- * the second (concatenated), or gate/up alternating (interleaved). */
-template <int MODE>
-__device__ __forceinline__ int
-tile_weight_row (const MoeCudaExperts &p, int bn, int nt, int c)
-{
-  if (MODE == MODE_DOWN)
-    {
-      int n = nt * bn + c;
-      return n < p.hidden ? n : -1;
-    }
-  if (!p.has_gate)
-    {
-      int n = nt * bn + c;
-      return n < p.inter ? n : -1;
-    }
-  int j0 = nt * (bn / 2);
-  if (p.interleaved)
-    return 2 * j0 + c < 2 * p.inter ? 2 * j0 + c : -1;
-  int j = j0 + (c % (bn / 2));
-  if (j >= p.inter)
-    return -1;
-  return c < bn / 2 ? j : p.inter + j;
-}
-
-/* The CTA's tile of accumulators, staged in shared memory, to outputs. */
-template <typename T, int MODE>
-__device__ void
-tile_epilogue (const MoeCudaExperts &p, const Route &r, const float *cs, int ldc,
-               int bm, int bn, int nt, const Tile &t, T *dst)
-{
-  if (MODE == MODE_DOWN)
-    {
-      T *y = dst;
-      for (int i = threadIdx.x; i < bm * bn; i += blockDim.x)
-        {
-          int row = i / bn, c = i % bn, n = nt * bn + c;
-          if (row < t.rows && n < p.hidden)
-            {
-              int pair = r.sorted_pair[t.row0 + row];
-              y[(size_t) pair * p.hidden + n] = from_f<T> (down_finish<T> (p, t.e, n, cs[row * ldc + c]));
-            }
-        }
-      return;
-    }
-
-  T *h = dst;
-  int outs = p.has_gate ? bn / 2 : bn;
-  for (int i = threadIdx.x; i < bm * outs; i += blockDim.x)
-    {
-      int row = i / outs, o = i % outs, j = nt * outs + o;
-      if (row >= t.rows || j >= p.inter)
-        continue;
-      int gc, uc, gr, ur;
-      if (!p.has_gate)
-        gc = uc = o;
-      else if (p.interleaved)
-        gc = 2 * o, uc = 2 * o + 1;
-      else
-        gc = o, uc = o + bn / 2;
-      gate_up_rows (p, j, &gr, &ur);
-      float v = gate_up_finish<T> (p, t.e, gr, ur, cs[row * ldc + gc], cs[row * ldc + uc]);
-      h[(size_t) (t.row0 + row) * p.inter + j] = from_f<T> (v);
-    }
-}
-
-/* Tensor-core version (bf16/f16): mma.sync m16n8k16, ldmatrix, a cp.async
- * pipeline. Needs H and I multiples of 8 (16-byte rows). The m-tile follows
- * the rows per expert (see pick_tc_tile): a decode step gives each expert a
- * row or two, and a 128-row tile would multiply zeros 99% of the time. */
-template <int BM_, int WM_, int BK_, int STAGES_>
-struct TcTile {
-  static constexpr int BM = BM_, BN = 128, BK = BK_, STAGES = STAGES_;
-  static constexpr int WM = WM_, WN = 8 / WM_;             /* 8 warps */
-  static constexpr int MI = BM / WM / 16, NI = BN / WN / 8; /* mma tiles per warp */
-  static constexpr int LDA = BK + 8;                         /* A and K-major B: [row][k] */
-  static constexpr int LDBN = BN + 8;                        /* N-major B: [k][col] */
-  static constexpr int LDC = BN + 4;
-  static constexpr int B_STAGE = BN * LDA > BK * LDBN ? BN * LDA : BK * LDBN;
-  static constexpr size_t PIPE = (size_t) STAGES * (BM * LDA + B_STAGE) * 2;
-  static constexpr size_t EPI = (size_t) BM * LDC * 4;
-  static constexpr size_t SMEM = PIPE > EPI ? PIPE : EPI;
-  static_assert (NI % 2 == 0, "B fragments load two n8 tiles at a time");
-};
-
-__device__ __forceinline__ void
-cp_async16 (void *smem, const void *gmem, bool valid)
-{
-  unsigned s = (unsigned) __cvta_generic_to_shared (smem);
-  int n = valid ? 16 : 0;
-  asm volatile ("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(n));
-}
-
-__device__ __forceinline__ void
-ldmatrix_x4 (unsigned r[4], const void *smem, bool trans)
-{
-  unsigned s = (unsigned) __cvta_generic_to_shared (smem);
-  if (trans)
-    asm volatile ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
-  else
-    asm volatile ("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
-}
-
-template <typename T>
-__device__ __forceinline__ void
-mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
-{
-  if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    asm volatile ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  else
-    asm volatile ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-template <typename T, int MODE, bool KMAJOR, typename C>
-__global__ void __launch_bounds__ (256)
-grouped_gemm_tc (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_tiles)
-{
-  extern __shared__ __align__ (16) unsigned char smem[];
-  __shared__ int a_row[C::BM];
-  T *as = (T *) smem;
-  T *bs = as + C::STAGES * C::BM * C::LDA;
-  /* n-tiles fastest: the CTAs in flight share their m-tile's rows of A */
-  const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = warp / C::WN, wn = warp % C::WN;
-  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
-  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
-  Tile t;
-
-  if (!find_tile (r, p.num_experts, C::BM, mt, &t))
-    return;
-  for (int i = threadIdx.x; i < C::BM; i += blockDim.x)
-    a_row[i] = i < t.rows ? (MODE == MODE_DOWN ? t.row0 + i : r.sorted_pair[t.row0 + i] / p.top_k) : -1;
-  __syncthreads ();
-
-  const T *w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) t.e * nw * K;
-  const int ktiles = (K + C::BK - 1) / C::BK;
-
-  auto load_stage = [&] (int stage, int kt) {
-    int k0 = kt * C::BK;
-    T *sa = as + stage * C::BM * C::LDA;
-    T *sb = bs + stage * C::B_STAGE;
-    for (int c = threadIdx.x; c < C::BM * (C::BK / 8); c += blockDim.x)
-      {
-        int row = c / (C::BK / 8), k = (c % (C::BK / 8)) * 8;
-        bool ok = a_row[row] >= 0 && k0 + k < K;
-        const T *src = ok ? a_base + (size_t) a_row[row] * K + k0 + k : a_base;
-        cp_async16 (sa + row * C::LDA + k, src, ok);
-      }
-    if (KMAJOR)
-      for (int c = threadIdx.x; c < C::BN * (C::BK / 8); c += blockDim.x)
-        {
-          int col = c / (C::BK / 8), k = (c % (C::BK / 8)) * 8;
-          int wr = tile_weight_row<MODE> (p, C::BN, nt, col);
-          bool ok = wr >= 0 && k0 + k < K;
-          const T *src = ok ? w + (size_t) wr * K + k0 + k : w;
-          cp_async16 (sb + col * C::LDA + k, src, ok);
-        }
-    else
-      for (int c = threadIdx.x; c < C::BK * (C::BN / 8); c += blockDim.x)
-        {
-          int k = c / (C::BN / 8), col = (c % (C::BN / 8)) * 8;
-          int wr = tile_weight_row<MODE> (p, C::BN, nt, col);
-          bool ok = wr >= 0 && k0 + k < K;
-          const T *src = ok ? w + (size_t) (k0 + k) * nw + wr : w;
-          cp_async16 (sb + k * C::LDBN + col, src, ok);
-        }
-  };
-
-  float acc[C::MI][C::NI][4] = {};
-
-  for (int s = 0; s < C::STAGES - 1; s++)
-    {
-      if (s < ktiles)
-        load_stage (s, s);
-      asm volatile ("cp.async.commit_group;\n");
-    }
-
-  for (int kt = 0; kt < ktiles; kt++)
-    {
-      asm volatile ("cp.async.wait_group %0;\n" :: "n"(C::STAGES - 2));
-      __syncthreads ();
-      if (kt + C::STAGES - 1 < ktiles)
-        load_stage ((kt + C::STAGES - 1) % C::STAGES, kt + C::STAGES - 1);
-      asm volatile ("cp.async.commit_group;\n");
-
-      const T *sa = as + (kt % C::STAGES) * C::BM * C::LDA;
-      const T *sb = bs + (kt % C::STAGES) * C::B_STAGE;
-#pragma unroll
-      for (int ks = 0; ks < C::BK; ks += 16)
-        {
-          unsigned a[C::MI][4], b[C::NI][2];
-          const int mat = lane / 8;
-#pragma unroll
-          for (int mi = 0; mi < C::MI; mi++)
-            {
-              int row = wm * (C::BM / C::WM) + mi * 16 + (mat % 2) * 8 + lane % 8;
-              ldmatrix_x4 (a[mi], sa + row * C::LDA + ks + (mat / 2) * 8, false);
-            }
-#pragma unroll
-          for (int nj = 0; nj < C::NI / 2; nj++)
-            {
-              const int col0 = wn * (C::BN / C::WN) + nj * 16;
-              unsigned q[4];
-              if (KMAJOR)
-                ldmatrix_x4 (q, sb + (col0 + (mat / 2) * 8 + lane % 8) * C::LDA + ks + (mat % 2) * 8, false);
-              else
-                ldmatrix_x4 (q, sb + (ks + (mat % 2) * 8 + lane % 8) * C::LDBN + col0 + (mat / 2) * 8, true);
-              b[2 * nj][0] = q[0], b[2 * nj][1] = q[1];
-              b[2 * nj + 1][0] = q[2], b[2 * nj + 1][1] = q[3];
-            }
-#pragma unroll
-          for (int mi = 0; mi < C::MI; mi++)
-#pragma unroll
-            for (int ni = 0; ni < C::NI; ni++)
-              mma16816<T> (acc[mi][ni], a[mi], b[ni]);
-        }
-    }
-  asm volatile ("cp.async.wait_group 0;\n");
-  __syncthreads ();
-
-  float *cs = (float *) smem;
-#pragma unroll
-  for (int mi = 0; mi < C::MI; mi++)
-#pragma unroll
-    for (int ni = 0; ni < C::NI; ni++)
-      {
-        int row = wm * (C::BM / C::WM) + mi * 16 + lane / 4;
-        int col = wn * (C::BN / C::WN) + ni * 8 + (lane % 4) * 2;
-        cs[row * C::LDC + col] = acc[mi][ni][0];
-        cs[row * C::LDC + col + 1] = acc[mi][ni][1];
-        cs[(row + 8) * C::LDC + col] = acc[mi][ni][2];
-        cs[(row + 8) * C::LDC + col + 1] = acc[mi][ni][3];
-      }
-  __syncthreads ();
-  tile_epilogue<T, MODE> (p, r, cs, C::LDC, C::BM, C::BN, nt, t, dst);
-}
-
-/* Hopper version (sm_90a) of the big-tile case: wgmma from shared memory
- * laid out in the 128-byte swizzle, filled by cp.async (the A rows are
- * gathered, which the bulk tensor copy does not do). Two warpgroups, each
- * 64 rows × 128 columns of a 128 × 128 tile; K-major weights only. */
-constexpr int WG_BM = 128, WG_BN = 128, WG_BK = 64, WG_STAGES = 3;
-constexpr int WG_STAGE_BYTES = (WG_BM + WG_BN) * WG_BK * 2;
-constexpr size_t WG_SMEM_PIPE = (size_t) WG_STAGES * WG_STAGE_BYTES + 1024;   /* + alignment */
-constexpr size_t WG_SMEM_EPI = (size_t) WG_BM * (WG_BN + 4) * 4 + 1024;
-constexpr size_t WG_SMEM = WG_SMEM_PIPE > WG_SMEM_EPI ? WG_SMEM_PIPE : WG_SMEM_EPI;
-
-/* A K-major operand of 128-byte rows in the 128-byte swizzle: 8-row atoms
- * 1024 bytes apart; the leading offset is unused in this layout. */
-[[maybe_unused]] __device__ __forceinline__ uint64_t
-wgmma_desc (const void *smem)
-{
-  uint32_t addr = (uint32_t) __cvta_generic_to_shared (smem);
-  return (uint64_t) ((addr & 0x3FFFF) >> 4) | (uint64_t) 1 << 16 | (uint64_t) (1024 >> 4) << 32 |
-         (uint64_t) 1 << 62;
-}
-
-/* Byte offset of 16-byte chunk c of row r in a swizzled tile of 128-byte rows. */
-[[maybe_unused]] __device__ __forceinline__ int
-swizzle128 (int r, int c)
-{
-  return r * 128 + ((c ^ (r % 8)) * 16);
-}
-
-template <typename T>
-__device__ __forceinline__ void
-wgmma_m64n128k16 (float d[64], uint64_t da, uint64_t db)
-{
-#if defined (__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    asm volatile ("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                  : "l"(da), "l"(db), "r"(1));
-  else
-    asm volatile ("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                  : "l"(da), "l"(db), "r"(1));
-#else
-  __trap ();
-#endif
-}
-
-template <typename T, int MODE>
-__global__ void __launch_bounds__ (256)
-grouped_gemm_wgmma (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_tiles)
-{
-#if defined (__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ unsigned char smem_raw[];
-  __shared__ int a_row[WG_BM];
-  unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
-  const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
-  const int wg = threadIdx.x / 128, lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
-  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
-  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
-  Tile t;
-
-  if (!find_tile (r, p.num_experts, WG_BM, mt, &t))
-    return;
-  for (int i = threadIdx.x; i < WG_BM; i += blockDim.x)
-    a_row[i] = i < t.rows ? (MODE == MODE_DOWN ? t.row0 + i : r.sorted_pair[t.row0 + i] / p.top_k) : -1;
-  __syncthreads ();
-
-  const T *w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) t.e * nw * K;
-  const int ktiles = (K + WG_BK - 1) / WG_BK;
-
-  auto stage_a = [&] (int stage) { return smem + stage * WG_STAGE_BYTES; };
-  auto stage_b = [&] (int stage) { return smem + stage * WG_STAGE_BYTES + WG_BM * WG_BK * 2; };
-  auto load_stage = [&] (int stage, int kt) {
-    int k0 = kt * WG_BK;
-    unsigned char *sa = stage_a (stage), *sb = stage_b (stage);
-    for (int c = threadIdx.x; c < WG_BM * 8; c += blockDim.x)
-      {
-        int row = c / 8, ch = c % 8, k = ch * 8;
-        bool ok = a_row[row] >= 0 && k0 + k < K;
-        const T *src = ok ? a_base + (size_t) a_row[row] * K + k0 + k : a_base;
-        cp_async16 (sa + swizzle128 (row, ch), src, ok);
-      }
-    for (int c = threadIdx.x; c < WG_BN * 8; c += blockDim.x)
-      {
-        int col = c / 8, ch = c % 8, k = ch * 8;
-        int wr = tile_weight_row<MODE> (p, WG_BN, nt, col);
-        bool ok = wr >= 0 && k0 + k < K;
-        const T *src = ok ? w + (size_t) wr * K + k0 + k : w;
-        cp_async16 (sb + swizzle128 (col, ch), src, ok);
-      }
-  };
-
-  float d[64];
-#pragma unroll
-  for (int i = 0; i < 64; i++)
-    d[i] = 0.0f;
-
-  for (int s = 0; s < WG_STAGES - 1; s++)
-    {
-      if (s < ktiles)
-        load_stage (s, s);
-      asm volatile ("cp.async.commit_group;\n");
-    }
-
-  for (int kt = 0; kt < ktiles; kt++)
-    {
-      asm volatile ("cp.async.wait_group %0;\n" :: "n"(WG_STAGES - 2));
-      /* the tensor cores read through the async proxy: order the copies first */
-      asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
-      __syncthreads ();
-
-      unsigned char *sa = stage_a (kt % WG_STAGES) + wg * 64 * 128;
-      unsigned char *sb = stage_b (kt % WG_STAGES);
-      asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int j = 0; j < WG_BK / 16; j++)
-        wgmma_m64n128k16<T> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
-      asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      /* the previous step's products are done: its stage may be refilled */
-      asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-      __syncthreads ();
-      if (kt + WG_STAGES - 1 < ktiles)
-        load_stage ((kt + WG_STAGES - 1) % WG_STAGES, kt + WG_STAGES - 1);
-      asm volatile ("cp.async.commit_group;\n");
-    }
-  asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-  asm volatile ("cp.async.wait_group 0;\n");
-  __syncthreads ();
-
-  /* the m16n8 accumulator layout, once per n8 block, per warp of 16 rows */
-  float *cs = (float *) smem;
-  const int ldc = WG_BN + 4;
-#pragma unroll
-  for (int j = 0; j < WG_BN / 8; j++)
-    {
-      int row = wg * 64 + warp_in_wg * 16 + lane / 4, col = j * 8 + (lane % 4) * 2;
-      cs[row * ldc + col] = d[4 * j];
-      cs[row * ldc + col + 1] = d[4 * j + 1];
-      cs[(row + 8) * ldc + col] = d[4 * j + 2];
-      cs[(row + 8) * ldc + col + 1] = d[4 * j + 3];
-    }
-  __syncthreads ();
-  tile_epilogue<T, MODE> (p, r, cs, ldc, WG_BM, WG_BN, nt, t, dst);
-#else
-  __trap ();
-#endif
-}
 
 /* Plain float version: f32, and shapes the tensor-core path does not take. */
 constexpr int SI_BM = 64, SI_BN = 64, SI_BK = 16, SI_LDC = SI_BN + 1;
@@ -1110,6 +382,9 @@ struct Workspace {
   Route r;
   void *h, *y, *xg, *u, *ys;
   float *xq, *hq;           /* quantized weights: the activations after dynamic quantization */
+  unsigned char *xq8, *hq8; /* FP8 on the tensor cores: the e4m3 activations… */
+  float *xs, *hs;           /* …and their scales, [rows, ⌈K/128⌉] */
+  float *sum;               /* the fused schedule: [T, H] float sums */
   int *row_expert;
 };
 
@@ -1117,6 +392,36 @@ size_t
 elem_size (int dtype)
 {
   return dtype == MOE_CUDA_F32 ? 4 : 2;
+}
+
+/* Whether the current device is a Hopper (compute capability 9.0), which the
+ * sm_90a code needs; read once. */
+bool
+device_is_sm90 ()
+{
+  static int major = -1;
+  if (major < 0)
+    {
+      int dev = 0;
+      cudaGetDevice (&dev);
+      if (cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+        major = 0;
+      int minor = 0;
+      cudaDeviceGetAttribute (&minor, cudaDevAttrComputeCapabilityMinor, dev);
+      if (minor != 0)
+        major = 0;
+    }
+  return major == 9;
+}
+
+/* FP8 weights on the Hopper tensor cores (e4m3 activations with their
+ * scales), for the grouped and deepgemm schedules; else FP8 runs in float. */
+bool
+fp8_on_tensor_cores (const MoeCudaExperts &p, int schedule)
+{
+  return p.weight_format == MOE_CUDA_WEIGHTS_FP8 &&
+         (schedule == MOE_CUDA_GROUPED || schedule == MOE_CUDA_DEEPGEMM) &&
+         p.hidden % 8 == 0 && p.inter % 8 == 0 && device_is_sm90 ();
 }
 
 size_t
@@ -1138,7 +443,10 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
   w->r.tile_start = (int *) take ((E + 1) * sizeof (int));
   w->r.sorted_pair = (int *) take (S * sizeof (int));
   w->h = take (S * p->inter * es);
-  w->y = take (S * p->hidden * es);
+  if (schedule == MOE_CUDA_FUSED)
+    w->sum = (float *) take ((size_t) p->tokens * p->hidden * sizeof (float));
+  else
+    w->y = take (S * p->hidden * es);
   if (schedule == MOE_CUDA_PER_EXPERT)
     {
       w->row_expert = (int *) take (S * sizeof (int));
@@ -1146,7 +454,14 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
       w->u = take (S * upn * es);
       w->ys = take (S * p->hidden * es);
     }
-  if (p->weight_format != MOE_CUDA_WEIGHTS_PLAIN)
+  if (fp8_on_tensor_cores (*p, schedule))
+    {
+      w->xq8 = (unsigned char *) take ((size_t) p->tokens * p->hidden);
+      w->xs = (float *) take ((size_t) p->tokens * ((p->hidden + 127) / 128) * sizeof (float));
+      w->hq8 = (unsigned char *) take (S * p->inter);
+      w->hs = (float *) take (S * ((p->inter + 127) / 128) * sizeof (float));
+    }
+  else if (p->weight_format != MOE_CUDA_WEIGHTS_PLAIN)
     {
       w->xq = (float *) take ((size_t) p->tokens * p->hidden * sizeof (float));
       w->hq = (float *) take (S * p->inter * sizeof (float));
@@ -1182,41 +497,109 @@ run_grouped_tc (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   return launch_combine<T> (p, w, s);
 }
 
-/* Whether the current device is a Hopper (compute capability 9.0), which the
- * sm_90a code needs; read once. */
-bool
-device_is_sm90 ()
+template <typename T, int MODE, bool FP8>
+__global__ void __launch_bounds__ (256)
+grouped_gemm_wgmma (MoeCudaExperts p, Route r, const void *a_base, const float *a_scale, void *dst, int n_tiles)
 {
-  static int major = -1;
-  if (major < 0)
-    {
-      int dev = 0;
-      cudaGetDevice (&dev);
-      if (cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-        major = 0;
-      int minor = 0;
-      cudaDeviceGetAttribute (&minor, cudaDevAttrComputeCapabilityMinor, dev);
-      if (minor != 0)
-        major = 0;
-    }
-  return major == 9;
+  wgmma_gemm<T, MODE, FP8, 0> (p, r, a_base, a_scale, dst, n_tiles);
+}
+
+const char *
+launch_wgmma (const void *kernel, long tiles, MoeCudaExperts p, Route r, const void *a, const float *a_scale,
+              void *dst, int n_tiles, cudaStream_t s)
+{
+  void *args[] = { &p, &r, &a, &a_scale, &dst, &n_tiles };
+  cudaError_t err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) WG_SMEM);
+  if (err == cudaSuccess)
+    err = cudaLaunchKernel (kernel, dim3 ((unsigned) tiles), dim3 (256), args, WG_SMEM, s);
+  return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
 }
 
 template <typename T>
+__global__ void __launch_bounds__ (256)
+round_sums (const float *sum, size_t n, T *out)
+{
+  for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x)
+    out[i] = from_f<T> (sum[i]);
+}
+
+/* Routes, then both wgmma grouped GEMMs: @k_gu and @k_dn are the ahead-of-
+ * time kernels, or the deepgemm schedule's just-in-time ones. FP8 weights
+ * get their activations quantized to e4m3 first, each projection's. With
+ * @fused, @k_dn is a down-combine kernel adding the weighted rows into
+ * float sums per token (the fused schedule), rounded at the end. */
+template <typename T, bool FP8>
 const char *
-run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const void *k_gu, const void *k_dn,
+                   bool fused = false)
 {
   const int S = p.tokens * p.top_k, E = p.num_experts;
   const long m_slots = (S + WG_BM - 1) / WG_BM + (long) (E < S ? E : S);
   const int outs = p.has_gate ? WG_BN / 2 : WG_BN;
   const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + WG_BN - 1) / WG_BN;
+  const size_t n_out = (size_t) p.tokens * p.hidden;
+  const void *x = p.x, *h = w.h;
+  const float *xs = nullptr, *hs = nullptr;
+  const char *msg;
 
   route<<<1, 1024, 0, s>>> (p.ids, S, E, WG_BM, w.r);
-  cudaFuncSetAttribute (grouped_gemm_wgmma<T, MODE_GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) WG_SMEM);
-  cudaFuncSetAttribute (grouped_gemm_wgmma<T, MODE_DOWN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) WG_SMEM);
-  grouped_gemm_wgmma<T, MODE_GATE_UP><<<m_slots * nt_gu, 256, WG_SMEM, s>>> (p, w.r, (const T *) p.x, (T *) w.h, nt_gu);
-  grouped_gemm_wgmma<T, MODE_DOWN><<<m_slots * nt_dn, 256, WG_SMEM, s>>> (p, w.r, (const T *) w.h, (T *) w.y, nt_dn);
-  return launch_combine<T> (p, w, s);
+  if (FP8)
+    {
+      quantize_fp8<T><<<p.tokens, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs);
+      x = w.xq8, xs = w.xs;
+    }
+  if ((msg = launch_wgmma (k_gu, m_slots * nt_gu, p, w.r, x, xs, w.h, nt_gu, s)) != nullptr)
+    return msg;
+  if (FP8)
+    {
+      /* h rows are sorted, and only the routed ones were written (or read) */
+      quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq8, w.hs);
+      h = w.hq8, hs = w.hs;
+    }
+  if (fused && cudaMemsetAsync (w.sum, 0, n_out * sizeof (float), s) != cudaSuccess)
+    return "could not clear the fused schedule's sums";
+  if ((msg = launch_wgmma (k_dn, m_slots * nt_dn, p, w.r, h, hs, fused ? (void *) w.sum : w.y, nt_dn, s)) != nullptr)
+    return msg;
+  if (!fused)
+    return launch_combine<T> (p, w, s);
+  round_sums<T><<<(unsigned) ((n_out + 255) / 256 < 4096 ? (n_out + 255) / 256 : 4096), 256, 0, s>>> (w.sum, n_out, (T *) p.out);
+  return nullptr;
+}
+
+template <typename T, bool FP8>
+const char *
+run_grouped_wgmma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  return run_grouped_wgmma<T, FP8> (p, w, s, (const void *) grouped_gemm_wgmma<T, MODE_GATE_UP, FP8>,
+                                    (const void *) grouped_gemm_wgmma<T, MODE_DOWN, FP8>);
+}
+
+/* sonicmoe's schedule: grouped wgmma GEMMs, the gather and the activation
+ * fused into gate_up, the routing weight and the sum over the K slots
+ * into down's epilogue (no y rows, no combine pass); bf16, gated. The
+ * float sums are added in whatever order the tiles finish. */
+const char *
+run_fused (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  if (p.dtype != MOE_CUDA_BF16 || p.weight_format != MOE_CUDA_WEIGHTS_PLAIN)
+    return "the fused schedule runs bf16 experts on bf16 hidden states";
+  return run_grouped_wgmma<__nv_bfloat16, false> (
+      p, w, s, (const void *) grouped_gemm_wgmma<__nv_bfloat16, MODE_GATE_UP, false>,
+      (const void *) grouped_gemm_wgmma<__nv_bfloat16, MODE_DOWN_COMBINE, false>, true);
+}
+
+/* deepgemm: the grouped schedule on the Hopper tensor cores, with the
+ * GEMMs the cuda device compiled for these shapes (bf16 activations). */
+const char *
+run_deepgemm (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  if (p.jit_gate_up == nullptr || p.jit_down == nullptr)
+    return "the deepgemm schedule needs its just-in-time kernels";
+  if (p.dtype != MOE_CUDA_BF16)
+    return "deepgemm needs bfloat16 hidden states";
+  if (p.weight_format == MOE_CUDA_WEIGHTS_FP8)
+    return run_grouped_wgmma<__nv_bfloat16, true> (p, w, s, p.jit_gate_up, p.jit_down);
+  return run_grouped_wgmma<__nv_bfloat16, false> (p, w, s, p.jit_gate_up, p.jit_down);
 }
 
 /* The plain-float grouped GEMMs: f32, odd sizes, and quantized weights
@@ -1251,6 +634,8 @@ template <typename T>
 const char *
 run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
+  if (fp8_on_tensor_cores (p, MOE_CUDA_GROUPED))
+    return run_grouped_wgmma_aot<T, true> (p, w, s);
   if (p.weight_format == MOE_CUDA_WEIGHTS_FP8)
     return run_grouped_simt<T, MOE_CUDA_WEIGHTS_FP8> (p, w, s);
   if (p.weight_format == MOE_CUDA_WEIGHTS_FP4)
@@ -1270,7 +655,7 @@ run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
         if (per_expert <= 64)
           return run_grouped_tc<T, TcTile<64, 2, 64, 4>> (p, w, s);
         if (!p.transposed && device_is_sm90 ())
-          return run_grouped_wgmma<T> (p, w, s);
+          return run_grouped_wgmma_aot<T, false> (p, w, s);
         return run_grouped_tc<T, TcTile<128, 2, 64, 3>> (p, w, s);
       }
 
@@ -1399,6 +784,8 @@ run_typed (const MoeCudaExperts &p, int schedule, const int64_t *host_ids, const
   switch (schedule)
     {
     case MOE_CUDA_GROUPED: return run_grouped<T> (p, w, s);
+    case MOE_CUDA_DEEPGEMM: return run_deepgemm (p, w, s);
+    case MOE_CUDA_FUSED: return run_fused (p, w, s);
     case MOE_CUDA_PER_ROW: return run_per_row<T> (p, w, s);
     default: return run_per_expert<T> (p, host_ids, w, handle, s);
     }

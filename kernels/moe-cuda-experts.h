@@ -44,6 +44,9 @@ typedef struct {
   int scale_dtype;                    /* MOE_CUDA_F32 or MOE_CUDA_E8M0 */
   int up_scale_rows, up_scale_split;  /* FP8: scale rows of up; I when gate and up were scaled apart */
   const void *up_scale, *down_scale;
+  /* the deepgemm schedule: its GEMMs compiled just in time for these shapes
+   * (cudaKernel_t; see moe_cuda_experts_jit_source) */
+  const void *jit_gate_up, *jit_down;
 } MoeCudaExperts;
 
 /* Bytes of scratch device memory a schedule needs. */

@@ -38,7 +38,22 @@ struct _MoeCudaDevice
   GMutex          lock;          /* the allocator's tables, the cuBLAS handle, bad_id */
   GHashTable     *in_use;        /* device pointer -> its size class */
   GHashTable     *free_blocks;   /* size class -> GSList of device pointers */
+
+  int             cc_major, cc_minor;   /* compute capability */
+  char           *gpu_name;
+
+  /* deepgemm: the toolkit its kernels are compiled with (found on the
+   * first forward that needs it) and the kernels compiled so far */
+  GMutex          jit_lock;
+  MoeCudaToolkit  toolkit;
+  gboolean        have_toolkit;
+  GHashTable     *jit_kernels;   /* "fp8|bf16 H I" -> JitKernels */
 };
+
+typedef struct {
+  cudaLibrary_t library;
+  cudaKernel_t  gate_up, down;
+} JitKernels;
 
 G_DEFINE_FINAL_TYPE (MoeCudaDevice, moe_cuda_device, MOE_TYPE_DEVICE)
 
@@ -232,6 +247,125 @@ is_gpu_float (MoeDType d)
   return d == MOE_DTYPE_F32 || d == MOE_DTYPE_BF16 || d == MOE_DTYPE_F16;
 }
 
+/* The schedules with requirements of their own. Each message names the
+ * requirement, as transformers' errors do. */
+
+static gboolean
+wgmma_shapes_supported (MoeExperts  *experts,
+                        const char  *who,
+                        guint        multiple,
+                        GError     **error)
+{
+  gint64 H = moe_experts_get_hidden_size (experts), I = moe_experts_get_intermediate_size (experts);
+
+  if (moe_experts_get_is_transposed (experts))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "%s in libmoe runs non-transposed expert weights only (gate_up [E, 2I, H], "
+                   "down [E, H, I]); these are transposed: use grouped_mm", who);
+      return FALSE;
+    }
+  if (H % multiple != 0 || I % multiple != 0)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "%s needs the hidden and intermediate sizes to be multiples of %u (aligned rows for "
+                   "the tensor cores' copies); these are %" G_GINT64_FORMAT " and %" G_GINT64_FORMAT
+                   ": use grouped_mm", who, multiple, H, I);
+      return FALSE;
+    }
+  return TRUE;
+}
+
+static gboolean
+deepgemm_supported (MoeCudaDevice  *self,
+                    MoeExperts     *experts,
+                    GError        **error)
+{
+  MoeDType wd = moe_tensor_get_dtype (moe_experts_get_up_weight (experts));
+  MoeTensor *scale = moe_experts_get_up_weight_scale (experts);
+  gboolean ok;
+
+  if (self->cc_major != 9 && self->cc_major != 10)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "DeepGEMM requires Hopper (SM90) or Blackwell (SM100); current device is SM%d%d (%s)",
+                   self->cc_major, self->cc_minor, self->gpu_name);
+      return FALSE;
+    }
+  g_mutex_lock (&self->jit_lock);
+  if (!self->have_toolkit)
+    self->have_toolkit = moe_cuda_toolkit_find (&self->toolkit, error);
+  ok = self->have_toolkit &&
+       moe_cuda_toolkit_require (&self->toolkit, 12, self->cc_major == 10 ? 9 : 3,
+                                 self->cc_major == 10 ? "deepgemm on SM100" : "deepgemm on SM90", error);
+  g_mutex_unlock (&self->jit_lock);
+  if (!ok)
+    return FALSE;
+  if (wd == MOE_DTYPE_I8 && self->cc_major < 10)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "FP4 expert weights require SM100+ for deepgemm; this GPU is SM%d%d: use batched_mm or "
+                   "grouped_mm, which run FP4 experts, or load with the dequantize option",
+                   self->cc_major, self->cc_minor);
+      return FALSE;
+    }
+  if (self->cc_major == 10)
+    {
+      if (wd == MOE_DTYPE_F8E4M3 && moe_tensor_get_dtype (scale) == MOE_DTYPE_F32)
+        g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                     "deepgemm on SM100 needs UE8M0 expert scales (scale_fmt \"ue8m0\"); rounding these "
+                     "float32 scales to powers of two would silently corrupt the output");
+      else
+        g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                     "libmoe's deepgemm kernels are written for SM90 (Hopper wgmma); SM100 (Blackwell) "
+                     "kernels are not built yet: use grouped_mm");
+      return FALSE;
+    }
+  if (wd != MOE_DTYPE_BF16 && wd != MOE_DTYPE_F8E4M3)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "deepgemm runs bf16 experts or FP8 (e4m3, 128×128 block scales) experts, not %s",
+                   moe_dtype_get_name (wd));
+      return FALSE;
+    }
+  return wgmma_shapes_supported (experts, "deepgemm", 8, error);
+}
+
+static gboolean
+fused_supported (MoeCudaDevice  *self,
+                 MoeExperts     *experts,
+                 GError        **error)
+{
+  MoeDType wd = moe_tensor_get_dtype (moe_experts_get_up_weight (experts));
+
+  if (self->cc_major != 9)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "libmoe's sonicmoe kernels need compute capability 9.0 (Hopper wgmma); this GPU is "
+                   "SM%d%d (%s)", self->cc_major, self->cc_minor, self->gpu_name);
+      return FALSE;
+    }
+  if (wd != MOE_DTYPE_BF16)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "sonicmoe runs bf16 experts; these are %s", moe_dtype_get_name (wd));
+      return FALSE;
+    }
+  return wgmma_shapes_supported (experts, "sonicmoe", 8, error);
+}
+
+static gboolean
+fused_expert_parallel_supported (MoeCudaDevice  *self,
+                                 GError        **error)
+{
+  if (self->cc_major >= 10)
+    return TRUE;
+  g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+               "deepgemm_megamoe requires Blackwell (SM100); this GPU is SM%d%d (%s)",
+               self->cc_major, self->cc_minor, self->gpu_name);
+  return FALSE;
+}
+
 static gboolean
 cuda_supports_experts (MoeDevice           *device,
                        MoeExpertsSchedule   schedule,
@@ -246,6 +380,27 @@ cuda_supports_experts (MoeDevice           *device,
 
   if (!device_ready (MOE_CUDA_DEVICE (device), error))
     return FALSE;
+  switch (schedule)
+    {
+    case MOE_EXPERTS_SCHEDULE_PER_EXPERT:
+    case MOE_EXPERTS_SCHEDULE_PER_ROW:
+    case MOE_EXPERTS_SCHEDULE_GROUPED:
+      break;
+    case MOE_EXPERTS_SCHEDULE_DEEPGEMM:
+      if (!deepgemm_supported (MOE_CUDA_DEVICE (device), experts, error))
+        return FALSE;
+      break;
+    case MOE_EXPERTS_SCHEDULE_FUSED:
+      if (!fused_supported (MOE_CUDA_DEVICE (device), experts, error))
+        return FALSE;
+      break;
+    case MOE_EXPERTS_SCHEDULE_FUSED_EXPERT_PARALLEL:
+      return fused_expert_parallel_supported (MOE_CUDA_DEVICE (device), error);
+    default:
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "The cuda device does not know experts schedule %d", (int) schedule);
+      return FALSE;
+    }
   if (up == MOE_DTYPE_F8E4M3 || up == MOE_DTYPE_I8)
     {
       /* moe_experts_validate() checked the scales; eager would need them multiplied out */
@@ -274,6 +429,111 @@ cuda_supports_experts (MoeDevice           *device,
         return FALSE;
       }
   return TRUE;
+}
+
+/* ---- deepgemm: GEMMs compiled just in time ---------------------------- */
+
+static void
+jit_kernels_free (gpointer data)
+{
+  JitKernels *k = data;
+
+  cudaLibraryUnload (k->library);
+  g_free (k);
+}
+
+/* The text nvcc compiles: the shared device code (embedded from kernels/)
+ * and the two GEMMs specialised to the inner sizes. */
+static char *
+jit_source (gboolean  fp8,
+            int       hidden,
+            int       inter,
+            GError  **error)
+{
+  const char *files[] = { "moe-cuda-experts.h", "moe-cuda-gemm.cuh" };
+  GString *src = g_string_new ("/* libmoe deepgemm kernels, compiled just in time */\n#define MOE_JIT 1\n");
+
+  for (guint i = 0; i < G_N_ELEMENTS (files); i++)
+    {
+      g_autofree char *path = g_strconcat ("/org/libmoe/cuda/", files[i], NULL);
+      g_autoptr(GBytes) text = g_resources_lookup_data (path, G_RESOURCE_LOOKUP_FLAGS_NONE, error);
+      g_auto(GStrv) lines = NULL;
+
+      if (text == NULL)
+        {
+          g_string_free (src, TRUE);
+          return NULL;
+        }
+      /* one translation unit: the headers' include guards would warn */
+      lines = g_strsplit (g_bytes_get_data (text, NULL), "#pragma once", -1);
+      g_string_append_printf (src, "#line 1 \"%s\"\n", files[i]);
+      for (guint j = 0; lines[j] != NULL; j++)
+        g_string_append (src, lines[j]);
+    }
+  g_string_append_printf (src,
+    "\n#line 1 \"moe-deepgemm-jit.cu\"\n"
+    "extern \"C\" __global__ void __launch_bounds__ (256)\n"
+    "moe_deepgemm_gate_up (MoeCudaExperts p, Route r, const void *a, const float *s, void *dst, int n_tiles)\n"
+    "{\n  wgmma_gemm<__nv_bfloat16, MODE_GATE_UP, %s, %d> (p, r, a, s, dst, n_tiles);\n}\n"
+    "extern \"C\" __global__ void __launch_bounds__ (256)\n"
+    "moe_deepgemm_down (MoeCudaExperts p, Route r, const void *a, const float *s, void *dst, int n_tiles)\n"
+    "{\n  wgmma_gemm<__nv_bfloat16, MODE_DOWN, %s, %d> (p, r, a, s, dst, n_tiles);\n}\n",
+    fp8 ? "true" : "false", hidden, fp8 ? "true" : "false", inter);
+  return g_string_free (src, FALSE);
+}
+
+/* The deepgemm GEMMs for these shapes: compiled with the toolkit on first
+ * use (or read from the disk cache), loaded once per device. */
+static const JitKernels *
+jit_kernels_get (MoeCudaDevice  *self,
+                 gboolean        fp8,
+                 int             hidden,
+                 int             inter,
+                 GError        **error)
+{
+  g_autofree char *key = g_strdup_printf ("%s %d %d", fp8 ? "fp8" : "bf16", hidden, inter);
+  const char *args[] = {
+    "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a", NULL,
+  };
+  JitKernels *k;
+  g_autofree char *source = NULL;
+  g_autoptr(GBytes) cubin = NULL;
+  cudaError_t err;
+
+  g_mutex_lock (&self->jit_lock);
+  k = g_hash_table_lookup (self->jit_kernels, key);
+  if (k != NULL)
+    {
+      g_mutex_unlock (&self->jit_lock);
+      return k;
+    }
+  source = jit_source (fp8, hidden, inter, error);
+  if (source != NULL)
+    cubin = moe_cuda_jit_compile (&self->toolkit, source, args, error);
+  if (cubin == NULL)
+    {
+      g_prefix_error (error, "deepgemm: compiling its kernels for hidden %d, intermediate %d: ", hidden, inter);
+      g_mutex_unlock (&self->jit_lock);
+      return NULL;
+    }
+  k = g_new0 (JitKernels, 1);
+  err = cudaLibraryLoadData (&k->library, g_bytes_get_data (cubin, NULL), NULL, NULL, 0, NULL, NULL, 0);
+  if (err == cudaSuccess)
+    err = cudaLibraryGetKernel (&k->gate_up, k->library, "moe_deepgemm_gate_up");
+  if (err == cudaSuccess)
+    err = cudaLibraryGetKernel (&k->down, k->library, "moe_deepgemm_down");
+  if (err != cudaSuccess)
+    {
+      cudaGetLastError ();
+      if (k->library != NULL)
+        cudaLibraryUnload (k->library);
+      g_free (k);
+      g_mutex_unlock (&self->jit_lock);
+      return cuda_check (err, "loading deepgemm's compiled kernels", error), NULL;
+    }
+  g_hash_table_insert (self->jit_kernels, g_steal_pointer (&key), k);
+  g_mutex_unlock (&self->jit_lock);
+  return k;
 }
 
 static gconstpointer
@@ -382,6 +642,23 @@ cuda_run_experts (MoeDevice           *device,
         e.up_scale_split = e.inter;
     }
 
+  if (schedule == MOE_EXPERTS_SCHEDULE_DEEPGEMM)
+    {
+      const JitKernels *k;
+
+      if (dtype != MOE_DTYPE_BF16)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
+                       "DeepGEMM experts path requires bfloat16 hidden states, not %s", moe_dtype_get_name (dtype));
+          return NULL;
+        }
+      k = jit_kernels_get (self, is_quantized, e.hidden, e.inter, error);
+      if (k == NULL)
+        return NULL;
+      e.jit_gate_up = k->gate_up;
+      e.jit_down = k->down;
+    }
+
   out = moe_tensor_new_empty (device, dtype, moe_tensor_get_shape (hidden_states, NULL), 2, error);
   if (out == NULL)
     return NULL;
@@ -423,7 +700,11 @@ moe_cuda_device_finalize (GObject *object)
     }
   g_hash_table_unref (self->in_use);
   g_hash_table_unref (self->free_blocks);
+  g_hash_table_unref (self->jit_kernels);
+  moe_cuda_toolkit_clear (&self->toolkit);
+  g_free (self->gpu_name);
   g_free (self->init_error);
+  g_mutex_clear (&self->jit_lock);
   g_mutex_clear (&self->lock);
   G_OBJECT_CLASS (moe_cuda_device_parent_class)->finalize (object);
 }
@@ -455,7 +736,23 @@ moe_cuda_device_init (MoeCudaDevice *self)
   /* no value destroy func: the lists are replaced by their own updated heads */
   self->free_blocks = g_hash_table_new (g_direct_hash, g_direct_equal);
 
+  g_mutex_init (&self->jit_lock);
+  self->jit_kernels = g_hash_table_new_full (g_str_hash, g_str_equal, g_free, jit_kernels_free);
+  self->gpu_name = g_strdup ("?");
+
   err = cudaSetDevice (0);
+  if (err == cudaSuccess)
+    {
+      struct cudaDeviceProp prop;
+      err = cudaGetDeviceProperties (&prop, 0);
+      if (err == cudaSuccess)
+        {
+          self->cc_major = prop.major;
+          self->cc_minor = prop.minor;
+          g_free (self->gpu_name);
+          self->gpu_name = g_strdup (prop.name);
+        }
+    }
   if (err == cudaSuccess)
     err = cudaStreamCreateWithFlags (&self->stream, cudaStreamNonBlocking);
   if (err == cudaSuccess)

@@ -21,6 +21,7 @@ static const char *fixtures[] = {
 };
 
 static const char *backends[] = { "eager", "batched_mm", "grouped_mm", NULL };
+static const char *all_backends[] = { "eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe", NULL };
 
 static void
 check_fixture (const char *name, MoeDType dtype, double tolerance)
@@ -88,6 +89,86 @@ static void
 test_quant_bf16 (gconstpointer data)
 {
   check_quant (data, MOE_DTYPE_BF16, 5e-2);
+}
+
+/* deepgemm and sonicmoe (Hopper wgmma schedules) on the bf16 fixtures:
+ * within the bf16 tolerance where they run, and a NOT_SUPPORTED error
+ * naming the reason for the layouts they refuse. */
+static const char *wgmma_backends[] = { "deepgemm", "sonicmoe", NULL };
+
+static void
+expect_refusal (MoeExperts *experts, MoeTensor *hidden, MoeTensor *index, MoeTensor *weights,
+                MoeError code, const char *substring)
+{
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeTensor) out = moe_experts_forward (experts, hidden, index, weights, &error);
+
+  g_assert_null (out);
+  g_assert_error (error, MOE_ERROR, (int) code);
+  g_test_message ("%s: %s", moe_experts_get_implementation (experts), error->message);
+  g_assert_nonnull (strstr (error->message, substring));
+}
+
+static void
+test_fixture_wgmma (gconstpointer data)
+{
+  const char *name = data;
+  Case c = { 0, };
+
+  case_load (&c, name, MOE_DTYPE_BF16, cuda);
+  for (guint i = 0; wgmma_backends[i] != NULL; i++)
+    {
+      gboolean sonic = g_str_equal (wgmma_backends[i], "sonicmoe");
+
+      moe_experts_set_implementation (c.experts, wgmma_backends[i]);
+      if (moe_experts_get_is_transposed (c.experts))
+        expect_refusal (c.experts, c.hidden, c.index, c.weights, MOE_ERROR_NOT_SUPPORTED, "transposed");
+      else if (sonic && !moe_experts_get_has_gate (c.experts))
+        expect_refusal (c.experts, c.hidden, c.index, c.weights, MOE_ERROR_NOT_SUPPORTED, "gated");
+      else
+        {
+          g_autoptr(MoeTensor) out = case_run (&c, wgmma_backends[i]);
+          double err = moe_test_rel_error (out, c.reference);
+          g_test_message ("%s %s bf16: rel err %.3g", name, wgmma_backends[i], err);
+          g_assert_cmpfloat (err, <=, 2e-2);
+        }
+    }
+  /* deepgemm runs bf16 hidden states only */
+  {
+    g_autoptr(MoeTensor) f32 = moe_tensor_to_dtype (c.hidden, MOE_DTYPE_F32, NULL);
+    if (!moe_experts_get_is_transposed (c.experts))
+      {
+        moe_experts_set_implementation (c.experts, "deepgemm");
+        expect_refusal (c.experts, f32, c.index, c.weights, MOE_ERROR_DTYPE_MISMATCH, "F32");
+      }
+  }
+  case_clear (&c);
+}
+
+/* FP8 experts through deepgemm (bf16 hidden states, the FP8 tensor cores):
+ * as batched_mm/grouped_mm against output_ref_dyn; FP4 needs SM100, and
+ * sonicmoe runs bf16 experts only. */
+static void
+test_quant_deepgemm (gconstpointer data)
+{
+  const char *name = data;
+  Case c = { 0, };
+
+  case_load_from (&c, "quant/experts", name, MOE_DTYPE_BF16, cuda);
+  moe_experts_set_implementation (c.experts, "sonicmoe");
+  expect_refusal (c.experts, c.hidden, c.index, c.weights, MOE_ERROR_NOT_SUPPORTED, "bf16");
+  moe_experts_set_implementation (c.experts, "deepgemm");
+  if (g_str_has_prefix (name, "fp4"))
+    expect_refusal (c.experts, c.hidden, c.index, c.weights, MOE_ERROR_NOT_SUPPORTED, "SM100");
+  else
+    {
+      g_autoptr(MoeTensor) out = case_run (&c, "deepgemm");
+      double err = moe_test_rel_error (out, c.reference);
+      g_test_message ("%s deepgemm bf16: rel err %.3g", name, err);
+      /* as grouped_mm's bf16: bf16 inputs cross e4m3 rounding boundaries */
+      g_assert_cmpfloat (err, <=, 5e-2);
+    }
+  case_clear (&c);
 }
 
 /* The sentinel slot's routing weight poisoned: computing it would show. */
@@ -290,15 +371,87 @@ check_random (gint64 E, gint64 H, gint64 I, gint64 T, gint64 K, gboolean transpo
   gpu_experts = moe_experts_new (dup, ddown);
   moe_experts_set_is_transposed (gpu_experts, transposed);
   moe_experts_set_device (gpu_experts, "cuda");
-  for (guint i = 0; i < G_N_ELEMENTS (backends) - 1; i++)
+  for (guint i = 0; i < G_N_ELEMENTS (all_backends) - 1; i++)
     {
-      g_autoptr(MoeTensor) out = experts_run (gpu_experts, backends[i], dx, dids, dw);
-      double err = moe_test_rel_error (out, cpu_out);
+      g_autoptr(MoeTensor) out = NULL;
+      double err;
+
+      /* the wgmma schedules take 16-byte rows of non-transposed weights */
+      if (i >= G_N_ELEMENTS (backends) - 1 && (transposed || H % 8 != 0 || I % 8 != 0))
+        continue;
+      out = experts_run (gpu_experts, all_backends[i], dx, dids, dw);
+      err = moe_test_rel_error (out, cpu_out);
       g_test_message ("random E=%" G_GINT64_FORMAT " H=%" G_GINT64_FORMAT " I=%" G_GINT64_FORMAT
                       " T=%" G_GINT64_FORMAT " %s: rel err vs CPU %.3g",
-                      E, H, I, T, backends[i], err);
+                      E, H, I, T, all_backends[i], err);
       g_assert_cmpfloat (err, <=, 2e-2);
     }
+}
+
+/* Random FP8 experts (quantized here, float or UE8M0 scales) on the FP8
+ * tensor cores — grouped_mm and deepgemm — against the CPU's grouped_mm on
+ * the same quantized experts and bf16 inputs. */
+static void
+check_random_fp8 (gint64 E, gint64 H, gint64 I, gint64 T, gint64 K, MoeQuantFormat format)
+{
+  g_autoptr(GRand) rand = g_rand_new_with_seed ((guint32) (E * 7919 + H * 13 + I + T + format));
+  gint64 up_shape[3] = { E, 2 * I, H }, down_shape[3] = { E, H, I };
+  gint64 x_shape[2] = { T, H }, k_shape[2] = { T, K };
+  g_autoptr(MoeTensor) up = random_tensor (rand, MOE_DTYPE_F32, up_shape, 3, 0.1f);
+  g_autoptr(MoeTensor) down = random_tensor (rand, MOE_DTYPE_F32, down_shape, 3, 0.1f);
+  g_autoptr(MoeTensor) x = random_tensor (rand, MOE_DTYPE_BF16, x_shape, 2, 1.0f);
+  g_autoptr(MoeTensor) w = random_tensor (rand, MOE_DTYPE_F32, k_shape, 2, 1.0f);
+  g_autoptr(MoeTensor) uq = NULL, us = NULL, dq = NULL, ds = NULL, ids = NULL, cpu_out = NULL;
+  g_autoptr(MoeExperts) cpu_experts = NULL, gpu_experts = NULL;
+  g_autoptr(GError) error = NULL;
+  const char *fp8_backends[] = { "grouped_mm", "deepgemm", "batched_mm" };
+
+  uq = moe_tensor_quantize (up, format, &us, &error);
+  g_assert_no_error (error);
+  dq = moe_tensor_quantize (down, format, &ds, &error);
+  g_assert_no_error (error);
+  {
+    gint64 *v = g_new (gint64, T * K);
+    g_autoptr(GBytes) b = NULL;
+    for (gint64 i = 0; i < T * K; i++)
+      v[i] = g_rand_int_range (rand, 0, (gint32) E + 1);   /* sentinels too */
+    b = g_bytes_new_take (v, T * K * sizeof (gint64));
+    ids = moe_tensor_new_from_bytes (MOE_DTYPE_I64, k_shape, 2, b, NULL);
+  }
+  cpu_experts = moe_experts_new (uq, dq);
+  moe_experts_set_up_weight_scale (cpu_experts, us);
+  moe_experts_set_down_weight_scale (cpu_experts, ds);
+  moe_experts_set_implementation (cpu_experts, "grouped_mm");
+  cpu_out = moe_experts_forward (cpu_experts, x, ids, w, &error);
+  g_assert_no_error (error);
+
+  {
+    g_autoptr(MoeTensor) duq = moe_tensor_to_device (uq, cuda, NULL), dus = moe_tensor_to_device (us, cuda, NULL);
+    g_autoptr(MoeTensor) ddq = moe_tensor_to_device (dq, cuda, NULL), dds = moe_tensor_to_device (ds, cuda, NULL);
+    g_autoptr(MoeTensor) dx = moe_tensor_to_device (x, cuda, NULL), dw = moe_tensor_to_device (w, cuda, NULL);
+    g_autoptr(MoeTensor) dids = moe_tensor_to_device (ids, cuda, NULL);
+
+    gpu_experts = moe_experts_new (duq, ddq);
+    moe_experts_set_up_weight_scale (gpu_experts, dus);
+    moe_experts_set_down_weight_scale (gpu_experts, dds);
+    moe_experts_set_device (gpu_experts, "cuda");
+    for (guint i = 0; i < G_N_ELEMENTS (fp8_backends); i++)
+      {
+        g_autoptr(MoeTensor) out = experts_run (gpu_experts, fp8_backends[i], dx, dids, dw);
+        double err = moe_test_rel_error (out, cpu_out);
+        g_test_message ("random FP8%s E=%" G_GINT64_FORMAT " H=%" G_GINT64_FORMAT " I=%" G_GINT64_FORMAT
+                        " T=%" G_GINT64_FORMAT " %s: rel err vs CPU %.3g",
+                        format == MOE_QUANT_FORMAT_FP8_UE8M0 ? " (UE8M0)" : "", E, H, I, T, fp8_backends[i], err);
+        g_assert_cmpfloat (err, <=, 3e-2);
+      }
+  }
+}
+
+static void
+test_random_fp8 (void)
+{
+  check_random_fp8 (16, 512, 384, 1000, 4, MOE_QUANT_FORMAT_FP8);
+  check_random_fp8 (8, 264, 200, 700, 2, MOE_QUANT_FORMAT_FP8_UE8M0);
 }
 
 static void
@@ -364,6 +517,17 @@ main (int argc, char *argv[])
       g_test_add_data_func (p32, quant_fixtures[i], test_quant_f32);
       g_test_add_data_func (p16, quant_fixtures[i], test_quant_bf16);
     }
+  for (guint i = 0; i < G_N_ELEMENTS (fixtures); i++)
+    {
+      g_autofree char *path = g_strdup_printf ("/cuda/experts/wgmma-bf16/%s", fixtures[i]);
+      g_test_add_data_func (path, fixtures[i], test_fixture_wgmma);
+    }
+  for (guint i = 0; i < G_N_ELEMENTS (quant_fixtures); i++)
+    {
+      g_autofree char *path = g_strdup_printf ("/cuda/quant/deepgemm-bf16/%s", quant_fixtures[i]);
+      g_test_add_data_func (path, quant_fixtures[i], test_quant_deepgemm);
+    }
+  g_test_add_func ("/cuda/experts/random-fp8", test_random_fp8);
   g_test_add_func ("/cuda/experts/sentinel", test_sentinel);
   g_test_add_func ("/cuda/experts/int32-index", test_int32_index);
   g_test_add_func ("/cuda/experts/errors", test_errors);
