@@ -1,14 +1,15 @@
 /* moe.c: the libmoe command-line tool
  *
  *   moe [OPTIONS] [CHECKPOINT]          generate (the demo model by default)
- *   moe experts [OPTIONS] [CHECKPOINT]  run the expert layers through every backend
+ *   moe experts [OPTIONS] [CHECKPOINT]  run the expert layers through every CPU backend
  *   moe quantize [--format F] SRC DST   write SRC with its experts quantized (FP8, FP4)
  *
  * Generation loads a checkpoint directory, prints the experts map, and
  * streams the new tokens (as text for byte-level models such as the shipped
  * demo, as ids otherwise) with tokens/s at the end. The experts job routes
  * real activations (the prompt's embeddings, RMS-normalised, through each
- * layer's router), times every backend on them and checks they agree.
+ * layer's router), times every backend that runs on the CPU on them and
+ * checks they agree.
  *
  * SPDX-License-Identifier: LGPL-2.1-or-later
  */
@@ -234,7 +235,7 @@ static int
 run_experts_job (const char *path, GError **error)
 {
   MoePluginRegistry *registry = moe_plugin_registry_get_default ();
-  g_auto(GStrv) found = moe_plugin_registry_list_backends (registry);
+  g_auto(GStrv) found = moe_plugin_registry_list_backends_for_device (registry, "cpu");
   g_autofree char *config_path = g_build_filename (path, "config.json", NULL);
   g_autoptr(MoeConfig) config = NULL;
   g_autoptr(MoeCheckpoint) ck = NULL;
@@ -636,7 +637,7 @@ main (int argc, char *argv[])
   g_option_context_add_main_entries (context, entries, NULL);
   g_option_context_set_description (context,
     "With no CHECKPOINT, runs the shipped demo model (a byte-level qwen3_moe trained on Python).\n"
-    "“moe experts” times the checkpoint's expert layers with every backend and checks they agree.\n"
+    "“moe experts” times the checkpoint's expert layers with every CPU backend and checks they agree.\n"
     "“moe quantize [--format fp8|fp8-ue8m0|fp4] SRC DST” writes SRC with its experts quantized as\n"
     "transformers' fine-grained FP8 reads them.\n"
     "Backends are GModule plugins found through MOE_PLUGIN_PATH and the installed plugin directory.");

@@ -113,6 +113,40 @@ moe_experts_backend_class_set_device_schedule (MoeExpertsBackendClass *klass,
   g_type_set_qdata (G_TYPE_FROM_CLASS (klass), device_schedule_quark (), GINT_TO_POINTER ((int) schedule + 1));
 }
 
+/**
+ * moe_experts_backend_require_gpu: (skip)
+ * @self: a backend
+ * @device: the device the experts would run on
+ * @requirement: what the backend runs on, to complete "<name> runs on …",
+ *   such as "NVIDIA GPUs of compute capability 9.0 or newer"
+ * @error: return location for a #GError
+ *
+ * For backend plugins that have no CPU code (their device runs them): fails
+ * with %MOE_ERROR_NOT_SUPPORTED, naming @requirement and how to move the
+ * experts, when @device is the CPU. Call it first in the class's
+ * is_supported, then chain up (the device checks the rest).
+ *
+ * Returns: %FALSE with @error set if @device is the CPU
+ */
+gboolean
+moe_experts_backend_require_gpu (MoeExpertsBackend *self,
+                                 MoeDevice         *device,
+                                 const char        *requirement,
+                                 GError           **error)
+{
+  g_return_val_if_fail (MOE_IS_EXPERTS_BACKEND (self), FALSE);
+  g_return_val_if_fail (MOE_IS_DEVICE (device), FALSE);
+  g_return_val_if_fail (requirement != NULL, FALSE);
+
+  if (!moe_device_is_cpu (device))
+    return TRUE;
+  g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+               "%s runs on %s through the cuda device; these experts are on %s "
+               "(move them with moe_tensor_to_device or load the model with device=cuda)",
+               moe_experts_backend_get_name (self), requirement, moe_device_get_name (device));
+  return FALSE;
+}
+
 static gboolean
 moe_experts_backend_real_is_supported (MoeExpertsBackend *self,
                                        MoeDevice         *device,

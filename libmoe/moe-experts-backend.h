@@ -67,6 +67,11 @@ gboolean    moe_experts_backend_is_supported (MoeExpertsBackend *self,
                                               MoeExperts        *experts,
                                               GError           **error);
 MOE_AVAILABLE_IN_ALL
+gboolean    moe_experts_backend_require_gpu  (MoeExpertsBackend *self,
+                                              MoeDevice         *device,
+                                              const char        *requirement,
+                                              GError           **error);
+MOE_AVAILABLE_IN_ALL
 MoeTensor  *moe_experts_backend_forward      (MoeExpertsBackend *self,
                                               MoeExperts        *experts,
                                               MoeTensor         *hidden_states,

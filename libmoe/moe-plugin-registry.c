@@ -270,18 +270,23 @@ moe_plugin_registry_rescan (MoePluginRegistry *self)
   moe_mutex_unlock (&self->lock);
 }
 
+/* @device: NULL for every plugin of @kind, else those whose Devices= names
+ * @device's kind ("cuda" for "cuda:1") */
 static char **
 list_kind (MoePluginRegistry *self,
-           MoePluginKind      kind)
+           MoePluginKind      kind,
+           const char        *device)
 {
   GPtrArray *names = g_ptr_array_new ();
+  g_autofree char *device_kind = device ? g_strndup (device, strcspn (device, ":")) : NULL;
 
   moe_mutex_lock (&self->lock);
   ensure_scanned_locked (self);
   for (guint i = 0; i < self->plugins->len; i++)
     {
       MoePluginInfo *info = g_ptr_array_index (self->plugins, i);
-      if (moe_plugin_info_get_kind (info) == kind)
+      if (moe_plugin_info_get_kind (info) == kind &&
+          (device_kind == NULL || g_strv_contains (moe_plugin_info_get_devices (info), device_kind)))
         g_ptr_array_add (names, g_strdup (moe_plugin_info_get_name (info)));
     }
   moe_mutex_unlock (&self->lock);
@@ -303,7 +308,28 @@ char **
 moe_plugin_registry_list_backends (MoePluginRegistry *self)
 {
   g_return_val_if_fail (MOE_IS_PLUGIN_REGISTRY (self), NULL);
-  return list_kind (self, MOE_PLUGIN_KIND_EXPERTS_BACKEND);
+  return list_kind (self, MOE_PLUGIN_KIND_EXPERTS_BACKEND, NULL);
+}
+
+/**
+ * moe_plugin_registry_list_backends_for_device:
+ * @self: a registry
+ * @device: a device name: "cpu", "cuda", "cuda:1"…
+ *
+ * Lists the experts backends whose keyfile says they run on @device
+ * (`Devices=`; "cuda:1" matches "cuda"), without opening any module. The
+ * backends that need a GPU ("deepgemm", "sonicmoe"…) are not listed for
+ * "cpu".
+ *
+ * Returns: (transfer full) (array zero-terminated=1): the backend names, sorted
+ */
+char **
+moe_plugin_registry_list_backends_for_device (MoePluginRegistry *self,
+                                              const char        *device)
+{
+  g_return_val_if_fail (MOE_IS_PLUGIN_REGISTRY (self), NULL);
+  g_return_val_if_fail (device != NULL, NULL);
+  return list_kind (self, MOE_PLUGIN_KIND_EXPERTS_BACKEND, device);
 }
 
 /**
@@ -318,7 +344,7 @@ char **
 moe_plugin_registry_list_devices (MoePluginRegistry *self)
 {
   g_return_val_if_fail (MOE_IS_PLUGIN_REGISTRY (self), NULL);
-  return list_kind (self, MOE_PLUGIN_KIND_DEVICE);
+  return list_kind (self, MOE_PLUGIN_KIND_DEVICE, NULL);
 }
 
 /**

@@ -33,6 +33,9 @@ void                moe_plugin_registry_rescan          (MoePluginRegistry  *sel
 MOE_AVAILABLE_IN_ALL
 char              **moe_plugin_registry_list_backends   (MoePluginRegistry  *self);
 MOE_AVAILABLE_IN_ALL
+char              **moe_plugin_registry_list_backends_for_device (MoePluginRegistry *self,
+                                                                  const char        *device);
+MOE_AVAILABLE_IN_ALL
 char              **moe_plugin_registry_list_devices    (MoePluginRegistry  *self);
 MOE_AVAILABLE_IN_ALL
 MoePluginInfo      *moe_plugin_registry_lookup          (MoePluginRegistry  *self,

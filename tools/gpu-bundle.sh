@@ -23,7 +23,7 @@ trap 'rm -rf "$tmp"' EXIT
 stage="$tmp/moe-gpu"
 mkdir -p "$stage/lib" "$stage/plugins" "$stage/bin"
 cp -L "$build/libmoe/libmoe-1.so.0" "$stage/lib/"
-for p in eager batched_mm grouped_mm cuda; do
+for p in eager batched_mm grouped_mm deepgemm sonicmoe deepgemm_megamoe cuda; do
   cp "$build/plugins/$p/libmoe-$p.so" "$build/plugins/$p/$p.plugin" "$stage/plugins/"
 done
 cp "$build/tests/gpu/test-cuda-experts" "$build/tests/c/test-experts" \

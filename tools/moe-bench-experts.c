@@ -11,7 +11,7 @@
  * down_bias; its metadata may say act, has_gate, is_transposed and
  * interleaved_clamped_swiglu (values may be JSON-quoted: '"silu"').
  *
- * For each backend (default: every registered one) it warms up, times
+ * For each backend (default: every registered one that runs on the CPU) it warms up, times
  * --repeat calls of moe_experts_forward() with g_get_monotonic_time() and
  * prints one JSON object per line: backend, dtype, T, median_us, min_us,
  * runs, rel_err (‖out − ref‖ / ‖ref‖ in float64, null without a reference).
@@ -414,7 +414,7 @@ main (int    argc,
     backends = opt_backends;
   else
     {
-      all_backends = moe_plugin_registry_list_backends (moe_plugin_registry_get_default ());
+      all_backends = moe_plugin_registry_list_backends_for_device (moe_plugin_registry_get_default (), "cpu");
       backends = all_backends;
       if (backends == NULL || backends[0] == NULL)
         {

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: LGPL-2.1-or-later
 //
-// Runs one MoE experts layer through every libmoe experts backend and prints
-// how long each takes.
+// Runs one MoE experts layer through every libmoe experts backend that runs
+// on the CPU and prints how long each takes.
 //
 // Usage, from a build directory's dev environment:
 //
@@ -80,7 +80,7 @@ print(`${GLib.path_get_basename(path)}: E=${ex.num_experts} H=${ex.hidden_size} 
       `I=${ex.intermediate_size}, ${hidden.get_dim(0)} tokens, top-${index.get_dim(1)}, ` +
       `${Moe.dtype_get_name(hidden.get_dtype())}`);
 
-const backends = Moe.PluginRegistry.get_default().list_backends();
+const backends = Moe.PluginRegistry.get_default().list_backends_for_device('cpu');
 print(`backends: ${backends.join(', ')}`);
 const ref = reference ? floats(reference) : null;
 

@@ -246,14 +246,17 @@ test_selection_errors (void)
   g_clear_error (&error);
   g_assert_cmpuint (events->len, ==, 0);
 
-  /* a valid name of a backend that is not installed: accepted at set time,
-   * reported by the forward (transformers checks availability lazily) */
+  /* a backend that needs a GPU: accepted at set time, refused by the
+   * forward on the CPU, saying what it needs (transformers checks
+   * availability lazily, at the first forward) */
   g_assert_true (moe_model_set_experts_implementation (model, "deepgemm", &error));
   {
     g_autoptr(MoeTensor) ids = reference ("qwen3_moe", "reference.safetensors", "input_ids");
     g_autoptr(MoeTensor) logits = moe_model_forward (model, ids, &error);
     g_assert_null (logits);
-    g_assert_error (error, MOE_ERROR, MOE_ERROR_UNKNOWN_BACKEND);
+    g_assert_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED);
+    g_assert_nonnull (strstr (error->message, "deepgemm runs on NVIDIA GPUs of compute capability 9.0"));
+    g_assert_nonnull (strstr (error->message, "these experts are on cpu"));
     g_clear_error (&error);
   }
 
@@ -433,16 +436,17 @@ test_decode_switch (void)
   }
   watch_clear (&w);
 
-  /* an error mid-generation: a decode step's backend is not installed; the
-   * entry the user changed during the generation keeps the user's value,
-   * and the switch leaves no batched_mm behind */
+  /* an error mid-generation: a decode step's backend cannot run on the
+   * CPU; the entry the user changed during the generation keeps the user's
+   * value, and the switch leaves no batched_mm behind */
   watch_init (&w);
   w.break_on_decode = "deepgemm";
   {
     g_autoptr(MoeTensor) out = run_watched (&w, MOE_DECODE_SWITCH_ALWAYS, &error);
     g_autoptr(GHashTable) map = NULL;
     g_assert_null (out);
-    g_assert_error (error, MOE_ERROR, MOE_ERROR_UNKNOWN_BACKEND);
+    g_assert_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED);
+    g_assert_nonnull (strstr (error->message, "deepgemm runs on NVIDIA GPUs"));
     g_clear_error (&error);
     map = moe_model_get_experts_implementation (w.model);
     g_assert_true (map_equals (map, (const char *[]) { "", "deepgemm", NULL }));
@@ -470,7 +474,7 @@ test_decode_switch (void)
     g_signal_connect_swapped (vl, "phase-changed", G_CALLBACK (break_text_config), vl);
     out = moe_model_generate (vl, prompt, cfg, NULL, &error);
     g_assert_null (out);
-    g_assert_error (error, MOE_ERROR, MOE_ERROR_UNKNOWN_BACKEND);
+    g_assert_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED);
     g_clear_error (&error);
     map = moe_model_get_experts_implementation (vl);
     g_assert_true (map_equals (map, (const char *[]) { "", "grouped_mm", "text_config", "deepgemm",

@@ -99,7 +99,8 @@ function inputs(ck) {
 }
 
 const registry = Moe.PluginRegistry.get_default();
-const backends = registry.list_backends();
+// the backends that run on the CPU (deepgemm, sonicmoe… need a GPU)
+const backends = registry.list_backends_for_device('cpu');
 
 /* --- tests ----------------------------------------------------------------- */
 
@@ -246,6 +247,19 @@ test('index dtype', () => {
         const want = values(ex.forward(hidden, index, weights));
         const got = values(ex.forward(hidden, asI32, weights));
         assertEqual(relErr(got, want), 0, `${backend} I32 ids`);
+    }
+});
+
+test('GPU-only backends on the CPU: NOT_SUPPORTED, naming what they need', () => {
+    const ck = Moe.Checkpoint.open(FIXTURES[0]);
+    for (const [name, needs] of [['deepgemm', 'compute capability 9.0 (Hopper) or 10.x (Blackwell)'],
+        ['sonicmoe', 'compute capability 9.0 or newer']]) {
+        assert(registry.list_backends().includes(name), `${name} is installed`);
+        assert(!backends.includes(name), `${name} is not listed for the CPU`);
+        const e = assertMoeError(() => makeExperts(ck, name).forward(...inputs(ck)),
+            Moe.Error.NOT_SUPPORTED, name);
+        assert(e.message.includes(needs) && e.message.includes('these experts are on cpu'),
+            `${name}: the message names the GPU requirement: ${e.message}`);
     }
 });
 

@@ -97,7 +97,7 @@ done
 need "$L/libmoe-1.so"
 need "$L/libmoe-1.so.0"
 need "$L/pkgconfig/libmoe-1.pc"
-for p in eager batched_mm grouped_mm; do
+for p in eager batched_mm grouped_mm deepgemm sonicmoe deepgemm_megamoe; do
   need "$plugins/$p.plugin"
   need "$plugins/libmoe-$p.so"
 done

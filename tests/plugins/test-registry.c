@@ -189,6 +189,15 @@ test_lazy_loading (void)
   devices = moe_plugin_registry_list_devices (registry);
   assert_strv_equal (backends, (const char *[]) { "good", NULL });
   assert_strv_equal (devices, (const char *[]) { NULL });
+  /* by device, from the keyfile's Devices=cpu;fake; ("fake:1" is a "fake") */
+  {
+    g_auto(GStrv) cpu = moe_plugin_registry_list_backends_for_device (registry, "cpu");
+    g_auto(GStrv) fake1 = moe_plugin_registry_list_backends_for_device (registry, "fake:1");
+    g_auto(GStrv) cuda = moe_plugin_registry_list_backends_for_device (registry, "cuda");
+    assert_strv_equal (cpu, (const char *[]) { "good", NULL });
+    assert_strv_equal (fake1, (const char *[]) { "good", NULL });
+    assert_strv_equal (cuda, (const char *[]) { NULL });
+  }
 
   /* the registry is a GListModel of what it accepted */
   g_assert_true (g_list_model_get_item_type (G_LIST_MODEL (registry)) == MOE_TYPE_PLUGIN_INFO);
@@ -779,7 +788,15 @@ test_default_registry (void)
   registry = moe_plugin_registry_get_default ();
   g_assert_true (moe_plugin_registry_get_default () == registry);
   names = moe_plugin_registry_list_backends (registry);
-  assert_strv_equal (names, (const char *[]) { "batched_mm", "eager", "grouped_mm", NULL });
+  assert_strv_equal (names, (const char *[]) { "batched_mm", "deepgemm", "deepgemm_megamoe", "eager",
+                                               "grouped_mm", "sonicmoe", NULL });
+  /* deepgemm, sonicmoe and deepgemm_megamoe run on the cuda device only */
+  {
+    g_auto(GStrv) cpu = moe_plugin_registry_list_backends_for_device (registry, "cpu");
+    g_auto(GStrv) cuda = moe_plugin_registry_list_backends_for_device (registry, "cuda:0");
+    assert_strv_equal (cpu, (const char *[]) { "batched_mm", "eager", "grouped_mm", NULL });
+    g_assert_true (g_strv_equal ((const char * const *) cuda, (const char * const *) names));
+  }
   rejected = moe_plugin_registry_dup_rejected (registry);
   g_assert_cmpuint (rejected->len, ==, 0);
   /* the build's devices: "cuda" where it was built with CUDA */
@@ -790,7 +807,7 @@ test_default_registry (void)
     else
       assert_strv_equal (devices, (const char *[]) { NULL });
   }
-  g_assert_cmpuint (g_list_model_get_n_items (G_LIST_MODEL (registry)), ==, 3 + HAVE_CUDA_PLUGIN);
+  g_assert_cmpuint (g_list_model_get_n_items (G_LIST_MODEL (registry)), ==, 6 + HAVE_CUDA_PLUGIN);
 
   /* every one from a MOE_PLUGIN_PATH directory, none opened yet */
   dirs = g_strsplit (path, G_SEARCHPATH_SEPARATOR_S, -1);

@@ -98,7 +98,8 @@ class ExpertsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.registry = Moe.PluginRegistry.get_default()
-        cls.backends = list(cls.registry.list_backends())
+        # the backends that run on the CPU (deepgemm, sonicmoe… need a GPU)
+        cls.backends = list(cls.registry.list_backends_for_device('cpu'))
 
     def assertMoeError(self, cm, code):
         err = cm.exception
@@ -206,6 +207,19 @@ class ExpertsTest(unittest.TestCase):
         self.assertIn('no-such-backend', cm.exception.message)
         for name in self.backends:
             self.assertIn(name, cm.exception.message)
+
+    def test_gpu_only_backends_on_the_cpu(self):
+        ck = Moe.Checkpoint.open(FIXTURES[0])
+        for name, needs in (('deepgemm', 'compute capability 9.0 (Hopper) or 10.x (Blackwell)'),
+                            ('sonicmoe', 'compute capability 9.0 or newer')):
+            with self.subTest(backend=name):
+                self.assertIn(name, self.registry.list_backends())
+                self.assertNotIn(name, self.backends)
+                with self.assertRaises(GLib.Error) as cm:
+                    make_experts(ck, name).forward(*inputs(ck))
+                self.assertMoeError(cm, Moe.Error.NOT_SUPPORTED)
+                self.assertIn(needs, cm.exception.message)
+                self.assertIn('these experts are on cpu', cm.exception.message)
 
     def test_wrong_hidden_shape(self):
         ck = Moe.Checkpoint.open(FIXTURES[0])
