@@ -110,4 +110,46 @@ void           moe_experts_set_backend_data (MoeExperts    *self,
                                              gpointer       data,
                                              GDestroyNotify destroy);
 
+/* The CUDA toolkit, for backends whose kernels are compiled just in time
+ * (deepgemm): found on the host and run as a program, so that libmoe itself
+ * needs neither CUDA headers nor libraries. */
+
+/**
+ * MoeCudaToolkit: (skip)
+ * @home: the toolkit's root directory
+ * @nvcc: `home/bin/nvcc`
+ * @major: the toolkit's CUDA major version
+ * @minor: the toolkit's CUDA minor version
+ *
+ * A CUDA toolkit with nvcc, as [func@cuda_toolkit_find] finds it. Start
+ * from a zeroed struct and free the strings with
+ * [func@cuda_toolkit_clear]; `g_auto(MoeCudaToolkit) tk = { 0, };` does both.
+ */
+typedef struct
+{
+  char  *home;
+  char  *nvcc;
+  guint  major;
+  guint  minor;
+} MoeCudaToolkit;
+
+MOE_AVAILABLE_IN_ALL
+gboolean       moe_cuda_toolkit_find        (MoeCudaToolkit       *toolkit,
+                                             GError              **error);
+MOE_AVAILABLE_IN_ALL
+void           moe_cuda_toolkit_clear       (MoeCudaToolkit       *toolkit);
+MOE_AVAILABLE_IN_ALL
+gboolean       moe_cuda_toolkit_require     (const MoeCudaToolkit *toolkit,
+                                             guint                 major,
+                                             guint                 minor,
+                                             const char           *what,
+                                             GError              **error);
+MOE_AVAILABLE_IN_ALL
+GBytes        *moe_cuda_jit_compile         (const MoeCudaToolkit *toolkit,
+                                             const char           *source,
+                                             const char * const   *nvcc_args,
+                                             GError              **error);
+
+G_DEFINE_AUTO_CLEANUP_CLEAR_FUNC (MoeCudaToolkit, moe_cuda_toolkit_clear)
+
 G_END_DECLS
