@@ -17,6 +17,7 @@
 #include "moe-cuda-experts.h"
 #include "moe-cuda-gemm.cuh"
 
+#include <cuda.h>
 #include <cublas_v2.h>
 #include <cstdlib>
 #include <vector>
@@ -414,14 +415,30 @@ device_is_sm90 ()
   return major == 9;
 }
 
-/* FP8 weights on the Hopper tensor cores (e4m3 activations with their
- * scales), for the grouped and deepgemm schedules; else FP8 runs in float. */
-bool
-fp8_on_tensor_cores (const MoeCudaExperts &p, int schedule)
+/* How the grouped schedules (grouped, deepgemm, fused) run their GEMMs:
+ * bulk tensor copies + warp-specialized wgmma where rows are 16-byte
+ * aligned, cp.async + wgmma where they are only 8-byte aligned (both on
+ * Hopper, K-major weights), else the mma.sync / plain-float kernels. FP8
+ * weights on the tensor cores take e4m3 activations with their scales;
+ * bf16 grouped_mm keeps the small-tile mma.sync kernels for few rows per
+ * expert, where a 128-row tile would mostly multiply nothing. */
+enum GemmPath { PATH_OTHER, PATH_WGMMA, PATH_TMA };
+
+GemmPath
+hopper_path (const MoeCudaExperts &p, int schedule)
 {
-  return p.weight_format == MOE_CUDA_WEIGHTS_FP8 &&
-         (schedule == MOE_CUDA_GROUPED || schedule == MOE_CUDA_DEEPGEMM) &&
-         p.hidden % 8 == 0 && p.inter % 8 == 0 && device_is_sm90 ();
+  const bool fp8 = p.weight_format == MOE_CUDA_WEIGHTS_FP8;
+  const int S = p.tokens * p.top_k, E = p.num_experts, es = fp8 ? 1 : 2;
+
+  if (schedule != MOE_CUDA_GROUPED && schedule != MOE_CUDA_DEEPGEMM && schedule != MOE_CUDA_FUSED)
+    return PATH_OTHER;
+  if (!device_is_sm90 () || p.transposed || p.weight_format == MOE_CUDA_WEIGHTS_FP4)
+    return PATH_OTHER;
+  if ((!fp8 && elem_size (p.dtype) != 2) || p.hidden % 8 != 0 || p.inter % 8 != 0)
+    return PATH_OTHER;
+  if (schedule == MOE_CUDA_GROUPED && !fp8 && S / (E < S ? E : S) <= 64)
+    return PATH_OTHER;
+  return (p.hidden * es) % 16 == 0 && (p.inter * es) % 16 == 0 ? PATH_TMA : PATH_WGMMA;
 }
 
 size_t
@@ -454,10 +471,15 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
       w->u = take (S * upn * es);
       w->ys = take (S * p->hidden * es);
     }
-  if (fp8_on_tensor_cores (*p, schedule))
+  const GemmPath path = hopper_path (*p, schedule);
+  if (p->weight_format == MOE_CUDA_WEIGHTS_PLAIN && path == PATH_TMA)
+    w->xg = take (S * p->hidden * es);
+  if (p->weight_format == MOE_CUDA_WEIGHTS_FP8 && path != PATH_OTHER)
     {
-      w->xq8 = (unsigned char *) take ((size_t) p->tokens * p->hidden);
-      w->xs = (float *) take ((size_t) p->tokens * ((p->hidden + 127) / 128) * sizeof (float));
+      /* the bulk copies read x gathered in sorted order, cp.async by token */
+      size_t rows = path == PATH_TMA ? S : (size_t) p->tokens;
+      w->xq8 = (unsigned char *) take (rows * p->hidden);
+      w->xs = (float *) take (rows * ((p->hidden + 127) / 128) * sizeof (float));
       w->hq8 = (unsigned char *) take (S * p->inter);
       w->hs = (float *) take (S * ((p->inter + 127) / 128) * sizeof (float));
     }
@@ -574,6 +596,137 @@ run_grouped_wgmma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t
                                     (const void *) grouped_gemm_wgmma<T, MODE_DOWN, FP8>);
 }
 
+typedef CUresult (*EncodeTiled) (CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                 const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* The driver's tensor-map encoder, through the runtime (no link to libcuda). */
+EncodeTiled
+encode_tiled ()
+{
+  static EncodeTiled fn = nullptr;
+  static bool looked = false;
+  if (!looked)
+    {
+      void *ptr = nullptr;
+      cudaDriverEntryPointQueryResult q;
+      looked = true;
+      if (cudaGetDriverEntryPointByVersion ("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+          q == cudaDriverEntryPointSuccess)
+        fn = (EncodeTiled) ptr;
+      cudaGetLastError ();
+    }
+  return fn;
+}
+
+/* rows × cols elements of es bytes; boxes of one 128-byte swizzled row
+ * span × box_rows rows (what wgmma_desc describes) */
+const char *
+make_tensor_map (CUtensorMap *map, const void *base, int es, size_t rows, int cols, int box_rows)
+{
+  EncodeTiled encode = encode_tiled ();
+  cuuint64_t dims[2] = { (cuuint64_t) cols, (cuuint64_t) (rows > 0 ? rows : 1) };
+  cuuint64_t strides[1] = { (cuuint64_t) cols * es };
+  cuuint32_t box[2] = { (cuuint32_t) (WG_ROW_BYTES / es), (cuuint32_t) box_rows };
+  cuuint32_t elem_strides[2] = { 1, 1 };
+
+  if (encode == nullptr)
+    return "the CUDA driver has no cuTensorMapEncodeTiled";
+  if (encode (map, es == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, (void *) base, dims,
+              strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return "cuTensorMapEncodeTiled refused a tensor map";
+  return nullptr;
+}
+
+template <typename T, int MODE, bool FP8>
+__global__ void __launch_bounds__ (TM_THREADS, 1)
+grouped_gemm_tma (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, MoeCudaExperts p,
+                  Route r, const float *a_scale, void *dst, int n_tiles)
+{
+  tma_gemm<T, MODE, FP8, 0> (&ta, &tb, p, r, a_scale, dst, n_tiles);
+}
+
+const char *
+launch_tma (const void *kernel, long tiles, const void *a, int es, size_t a_rows, const void *w, size_t w_rows,
+            int k, int w_box_rows, MoeCudaExperts p, Route r, const float *a_scale, void *dst, int n_tiles,
+            cudaStream_t s)
+{
+  CUtensorMap ta, tb;
+  const char *msg;
+  void *args[] = { &ta, &tb, &p, &r, &a_scale, &dst, &n_tiles };
+  cudaError_t err;
+
+  if ((msg = make_tensor_map (&ta, a, es, a_rows, k, TM_BM)) != nullptr ||
+      (msg = make_tensor_map (&tb, w, es, w_rows, k, w_box_rows)) != nullptr)
+    return msg;
+  err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) TM_SMEM);
+  if (err == cudaSuccess)
+    err = cudaLaunchKernel (kernel, dim3 ((unsigned) tiles), dim3 (TM_THREADS), args, TM_SMEM, s);
+  return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
+}
+
+/* As run_grouped_wgmma, with the bulk-copy GEMMs: x is first gathered (and
+ * for FP8 quantized) into sorted rows, which the copies read in boxes. */
+template <typename T, bool FP8>
+const char *
+run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const void *k_gu, const void *k_dn,
+                 bool fused = false)
+{
+  const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
+  const long m_slots = (S + TM_BM - 1) / TM_BM + (long) (E < S ? E : S);
+  const int outs = p.has_gate ? TM_BN / 2 : TM_BN;
+  const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + TM_BN - 1) / TM_BN;
+  const int upn = p.has_gate ? 2 * p.inter : p.inter;
+  const bool split = p.has_gate && !p.interleaved;
+  const size_t n_out = (size_t) p.tokens * p.hidden;
+  const void *a;
+  const float *as = nullptr;
+  const char *msg;
+
+  route<<<1, 1024, 0, s>>> (p.ids, S, E, TM_BM, w.r);
+  if (FP8)
+    {
+      quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs, true, w.r, E, p.top_k);
+      a = w.xq8, as = w.xs;
+    }
+  else
+    {
+      gather_sorted<T><<<S, 256, 0, s>>> ((const T *) p.x, w.r, E, p.top_k, p.hidden, (T *) w.xg);
+      a = w.xg;
+    }
+  if ((msg = launch_tma (k_gu, m_slots * nt_gu, a, es, S, p.up, (size_t) E * upn, p.hidden, split ? TM_BN / 2 : TM_BN,
+                         p, w.r, as, w.h, nt_gu, s)) != nullptr)
+    return msg;
+  a = w.h;
+  if (FP8)
+    {
+      /* h rows are sorted, and only the routed ones were written (or read) */
+      quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq8, w.hs);
+      a = w.hq8, as = w.hs;
+    }
+  if (fused && cudaMemsetAsync (w.sum, 0, n_out * sizeof (float), s) != cudaSuccess)
+    return "could not clear the fused schedule's sums";
+  if ((msg = launch_tma (k_dn, m_slots * nt_dn, a, es, S, p.down, (size_t) E * p.hidden, p.inter, TM_BN,
+                         p, w.r, as, fused ? (void *) w.sum : w.y, nt_dn, s)) != nullptr)
+    return msg;
+  if (!fused)
+    return launch_combine<T> (p, w, s);
+  round_sums<T><<<(unsigned) ((n_out + 255) / 256 < 4096 ? (n_out + 255) / 256 : 4096), 256, 0, s>>> (w.sum, n_out, (T *) p.out);
+  return nullptr;
+}
+
+template <typename T, bool FP8>
+const char *
+run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  if constexpr (!FP8 && sizeof (T) != 2)
+    return "the bf16/f16 tensor-core path got another dtype";
+  else
+    return run_grouped_tma<T, FP8> (p, w, s, (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8>,
+                                    (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8>);
+}
+
 /* sonicmoe's schedule: grouped wgmma GEMMs, the gather and the activation
  * fused into gate_up, the routing weight and the sum over the K slots
  * into down's epilogue (no y rows, no combine pass); bf16, gated. The
@@ -581,11 +734,15 @@ run_grouped_wgmma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t
 const char *
 run_fused (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
+  using B = __nv_bfloat16;
+
   if (p.dtype != MOE_CUDA_BF16 || p.weight_format != MOE_CUDA_WEIGHTS_PLAIN)
     return "the fused schedule runs bf16 experts on bf16 hidden states";
-  return run_grouped_wgmma<__nv_bfloat16, false> (
-      p, w, s, (const void *) grouped_gemm_wgmma<__nv_bfloat16, MODE_GATE_UP, false>,
-      (const void *) grouped_gemm_wgmma<__nv_bfloat16, MODE_DOWN_COMBINE, false>, true);
+  if (hopper_path (p, MOE_CUDA_FUSED) == PATH_TMA)
+    return run_grouped_tma<B, false> (p, w, s, (const void *) grouped_gemm_tma<B, MODE_GATE_UP, false>,
+                                      (const void *) grouped_gemm_tma<B, MODE_DOWN_COMBINE, false>, true);
+  return run_grouped_wgmma<B, false> (p, w, s, (const void *) grouped_gemm_wgmma<B, MODE_GATE_UP, false>,
+                                      (const void *) grouped_gemm_wgmma<B, MODE_DOWN_COMBINE, false>, true);
 }
 
 /* deepgemm: the grouped schedule on the Hopper tensor cores, with the
@@ -593,13 +750,24 @@ run_fused (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 const char *
 run_deepgemm (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
-  if (p.jit_gate_up == nullptr || p.jit_down == nullptr)
+  using B = __nv_bfloat16;
+  const bool fp8 = p.weight_format == MOE_CUDA_WEIGHTS_FP8;
+
+  if (p.jit_gate_up == nullptr || p.jit_down == nullptr || p.jit_tma_gate_up == nullptr || p.jit_tma_down == nullptr)
     return "the deepgemm schedule needs its just-in-time kernels";
   if (p.dtype != MOE_CUDA_BF16)
     return "deepgemm needs bfloat16 hidden states";
-  if (p.weight_format == MOE_CUDA_WEIGHTS_FP8)
-    return run_grouped_wgmma<__nv_bfloat16, true> (p, w, s, p.jit_gate_up, p.jit_down);
-  return run_grouped_wgmma<__nv_bfloat16, false> (p, w, s, p.jit_gate_up, p.jit_down);
+  switch (hopper_path (p, MOE_CUDA_DEEPGEMM))
+    {
+    case PATH_TMA:
+      return fp8 ? run_grouped_tma<B, true> (p, w, s, p.jit_tma_gate_up, p.jit_tma_down)
+                 : run_grouped_tma<B, false> (p, w, s, p.jit_tma_gate_up, p.jit_tma_down);
+    case PATH_WGMMA:
+      return fp8 ? run_grouped_wgmma<B, true> (p, w, s, p.jit_gate_up, p.jit_down)
+                 : run_grouped_wgmma<B, false> (p, w, s, p.jit_gate_up, p.jit_down);
+    default:
+      return "deepgemm runs on Hopper (sm_90a) only";
+    }
 }
 
 /* The plain-float grouped GEMMs: f32, odd sizes, and quantized weights
@@ -634,9 +802,21 @@ template <typename T>
 const char *
 run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
-  if (fp8_on_tensor_cores (p, MOE_CUDA_GROUPED))
-    return run_grouped_wgmma_aot<T, true> (p, w, s);
-  if (p.weight_format == MOE_CUDA_WEIGHTS_FP8)
+  const bool fp8 = p.weight_format == MOE_CUDA_WEIGHTS_FP8;
+  switch (hopper_path (p, MOE_CUDA_GROUPED))
+    {
+    case PATH_TMA:
+      return fp8 ? run_grouped_tma_aot<T, true> (p, w, s) : run_grouped_tma_aot<T, false> (p, w, s);
+    case PATH_WGMMA:
+      if (fp8)
+        return run_grouped_wgmma_aot<T, true> (p, w, s);
+      if constexpr (sizeof (T) == 2)
+        return run_grouped_wgmma_aot<T, false> (p, w, s);
+      break;
+    default:
+      break;
+    }
+  if (fp8)
     return run_grouped_simt<T, MOE_CUDA_WEIGHTS_FP8> (p, w, s);
   if (p.weight_format == MOE_CUDA_WEIGHTS_FP4)
     return run_grouped_simt<T, MOE_CUDA_WEIGHTS_FP4> (p, w, s);
@@ -654,8 +834,6 @@ run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
           return run_grouped_tc<T, TcTile<32, 2, 64, 4>> (p, w, s);
         if (per_expert <= 64)
           return run_grouped_tc<T, TcTile<64, 2, 64, 4>> (p, w, s);
-        if (!p.transposed && device_is_sm90 ())
-          return run_grouped_wgmma_aot<T, false> (p, w, s);
         return run_grouped_tc<T, TcTile<128, 2, 64, 3>> (p, w, s);
       }
 

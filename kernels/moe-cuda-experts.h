@@ -46,7 +46,8 @@ typedef struct {
   const void *up_scale, *down_scale;
   /* the deepgemm schedule: its GEMMs compiled just in time for these shapes
    * (cudaKernel_t; see moe_cuda_experts_jit_source) */
-  const void *jit_gate_up, *jit_down;
+  const void *jit_gate_up, *jit_down;           /* cp.async + wgmma (8-byte aligned rows) */
+  const void *jit_tma_gate_up, *jit_tma_down;   /* bulk tensor copies + wgmma */
 } MoeCudaExperts;
 
 /* Bytes of scratch device memory a schedule needs. */

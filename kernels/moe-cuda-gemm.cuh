@@ -11,6 +11,7 @@
  */
 #pragma once
 
+#include <cuda.h>          /* CUtensorMap (types only: no driver library) */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -377,12 +378,13 @@ tile_weight_row (const MoeCudaExperts &p, int bn, int nt, int c)
 template <typename T, int MODE>
 __device__ void
 tile_epilogue (const MoeCudaExperts &p, const Route &r, const float *cs, int ldc,
-               int bm, int bn, int nt, const Tile &t, void *dst)
+               int bm, int bn, int nt, const Tile &t, void *dst,
+               int tid = threadIdx.x, int nthreads = blockDim.x)
 {
   if (MODE == MODE_DOWN_COMBINE)
     {
       float *sum = (float *) dst;
-      for (int i = threadIdx.x; i < bm * bn; i += blockDim.x)
+      for (int i = tid; i < bm * bn; i += nthreads)
         {
           int row = i / bn, c = i % bn, n = nt * bn + c;
           if (row < t.rows && n < p.hidden)
@@ -397,7 +399,7 @@ tile_epilogue (const MoeCudaExperts &p, const Route &r, const float *cs, int ldc
   if (MODE != MODE_GATE_UP)
     {
       T *y = (T *) dst;
-      for (int i = threadIdx.x; i < bm * bn; i += blockDim.x)
+      for (int i = tid; i < bm * bn; i += nthreads)
         {
           int row = i / bn, c = i % bn, n = nt * bn + c;
           if (row < t.rows && n < p.hidden)
@@ -411,7 +413,7 @@ tile_epilogue (const MoeCudaExperts &p, const Route &r, const float *cs, int ldc
 
   T *h = (T *) dst;
   int outs = p.has_gate ? bn / 2 : bn;
-  for (int i = threadIdx.x; i < bm * outs; i += blockDim.x)
+  for (int i = tid; i < bm * outs; i += nthreads)
     {
       int row = i / outs, o = i % outs, j = nt * outs + o;
       if (row >= t.rows || j >= p.inter)
@@ -827,17 +829,249 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
 #endif
 }
 
+/* ---- Hopper: bulk tensor copies and warp-specialized wgmma ---------------
+ *
+ * For A rows already in sorted order in one buffer (the gathered x, or h):
+ * one producer warp issues bulk tensor copies (128-byte swizzle, what wgmma
+ * reads) of 128-row A boxes and the tile's weight rows into a TM_STAGES-deep
+ * ring guarded by mbarriers; two consumer warpgroups (64 rows each) run
+ * wgmma as stages fill and hand each stage back when its products are done.
+ * No block-wide barrier in the main loop. Rows and weight rows that belong
+ * to the next expert (or lie past the end) are multiplied and never written.
+ * Needs 16-byte aligned rows (H·size and I·size multiples of 16). */
+constexpr int TM_BM = 128, TM_BN = 128, TM_STAGES = 5, TM_THREADS = 384;
+constexpr int TM_STAGE_BYTES = (TM_BM + TM_BN) * WG_ROW_BYTES;
+constexpr size_t TM_SMEM = (size_t) TM_STAGES * TM_STAGE_BYTES + 1024;
+
+__device__ __forceinline__ unsigned
+smem_addr (const void *p)
+{
+  return (unsigned) __cvta_generic_to_shared (p);
+}
+
+__device__ __forceinline__ void
+mbar_init (uint64_t *bar, unsigned count)
+{
+  asm volatile ("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr (bar)), "r"(count));
+}
+
+__device__ __forceinline__ void
+mbar_expect_tx (uint64_t *bar, unsigned bytes)
+{
+  asm volatile ("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_addr (bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void
+mbar_arrive (uint64_t *bar)
+{
+  asm volatile ("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr (bar)) : "memory");
+}
+
+__device__ __forceinline__ void
+mbar_wait (uint64_t *bar, unsigned parity)
+{
+  asm volatile ("{\n.reg .pred done;\nMOE_WAIT_%=:\n"
+                "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                "@!done bra MOE_WAIT_%=;\n}\n" :: "r"(smem_addr (bar)), "r"(parity) : "memory");
+}
+
+/* box at (element k, row) of a 2-D tensor map into shared memory */
+__device__ __forceinline__ void
+tma_load (void *dst, const CUtensorMap *map, uint64_t *bar, int k, int row)
+{
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                " [%0], [%1, {%3, %4}], [%2];\n"
+                :: "r"(smem_addr (dst)), "l"(map), "r"(smem_addr (bar)), "r"(k), "r"(row) : "memory");
+#endif
+}
+
+template <typename T, int MODE, bool FP8, int KC>
+__device__ __forceinline__ void
+tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p, const Route &r,
+          const float *a_scale, void *dst, int n_tiles)
+{
+#if defined (__CUDA_ARCH_FEAT_SM90_ALL)
+  using TOp = typename std::conditional<FP8, unsigned char, T>::type;
+  constexpr int ES = sizeof (TOp), BK = WG_ROW_BYTES / ES;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__ (8) uint64_t full[TM_STAGES], empty[TM_STAGES];
+  __shared__ float s_scale[FP8 ? TM_STAGES : 1][TM_BM + TM_BN];   /* FP8: rows', then columns' */
+  __shared__ int b_row[TM_BN];
+  unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
+  const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
+  const int K = KC != 0 ? KC : (MODE != MODE_GATE_UP ? p.inter : p.hidden);
+  const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+  const int kblocks = (K + 127) / 128, ktiles = (K + BK - 1) / BK;
+  Tile t;
+
+  if (!find_tile (r, p.num_experts, TM_BM, mt, &t))
+    return;
+  if (threadIdx.x == 0)
+    {
+      for (int s = 0; s < TM_STAGES; s++)
+        {
+          mbar_init (&full[s], 1);
+          mbar_init (&empty[s], 256);
+        }
+      asm volatile ("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+  for (int c = threadIdx.x; c < TM_BN; c += blockDim.x)
+    b_row[c] = tile_weight_row<MODE> (p, TM_BN, nt, c);
+  __syncthreads ();
+
+  auto stage_a = [&] (int stage) { return smem + stage * TM_STAGE_BYTES; };
+  auto stage_b = [&] (int stage) { return smem + stage * TM_STAGE_BYTES + TM_BM * WG_ROW_BYTES; };
+  const int wg = threadIdx.x / 128;
+
+  if (wg == 0)
+    {
+      /* the producer: warp 0; lane 0 issues the copies */
+      asm volatile ("setmaxnreg.dec.sync.aligned.u32 40;\n");
+      if (threadIdx.x >= 32)
+        return;
+      const int lane = threadIdx.x;
+      /* the tile's weight rows: one box, or the gate and up halves apart */
+      const bool split = MODE == MODE_GATE_UP && p.has_gate && !p.interleaved;
+      const int wrow0 = t.e * nw + (split ? nt * (TM_BN / 2) : b_row[0] >= 0 ? b_row[0] : 0);
+      for (int kt = 0; kt < ktiles; kt++)
+        {
+          const int s = kt % TM_STAGES;
+          if (kt >= TM_STAGES)
+            mbar_wait (&empty[s], ((kt / TM_STAGES) + 1) & 1);
+          if (FP8)
+            {
+              for (int i = lane; i < TM_BM + TM_BN; i += 32)
+                {
+                  int c = i - TM_BM;
+                  s_scale[s][i] = i < TM_BM ? (i < t.rows ? a_scale[(size_t) (t.row0 + i) * kblocks + kt] : 0.0f)
+                                            : (b_row[c] >= 0 ? weight_scale<MOE_CUDA_WEIGHTS_FP8, MODE> (p, t.e, b_row[c], kt * BK) : 0.0f);
+                }
+              __syncwarp ();
+            }
+          if (lane == 0)
+            {
+              mbar_expect_tx (&full[s], TM_STAGE_BYTES);
+              tma_load (stage_a (s), ta, &full[s], kt * BK, t.row0);
+              if (split)
+                {
+                  tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
+                  tma_load (stage_b (s) + (TM_BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK, wrow0 + p.inter);
+                }
+              else
+                tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
+            }
+        }
+      return;
+    }
+
+  asm volatile ("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int cw = wg - 1, ctid = threadIdx.x - 128;
+  const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
+  float d[64];
+  float part[FP8 ? 64 : 1];
+#pragma unroll
+  for (int i = 0; i < 64; i++)
+    d[i] = 0.0f;
+
+  for (int kt = 0; kt < ktiles; kt++)
+    {
+      const int s = kt % TM_STAGES;
+      mbar_wait (&full[s], (kt / TM_STAGES) & 1);
+      unsigned char *sa = stage_a (s) + cw * 64 * WG_ROW_BYTES;
+      unsigned char *sb = stage_b (s);
+      asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+      if constexpr (FP8)
+        {
+#pragma unroll
+          for (int j = 0; j < 4; j++)
+            wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+          asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          const float *sc = s_scale[s];
+          const int r0 = cw * 64 + warp_in_wg * 16 + lane / 4;
+          const float sa0 = sc[r0], sa1 = sc[r0 + 8];
+#pragma unroll
+          for (int j = 0; j < TM_BN / 8; j++)
+            {
+              int col = j * 8 + (lane % 4) * 2;
+              float b0 = sc[TM_BM + col], b1 = sc[TM_BM + col + 1];
+              d[4 * j] += part[4 * j] * (sa0 * b0);
+              d[4 * j + 1] += part[4 * j + 1] * (sa0 * b1);
+              d[4 * j + 2] += part[4 * j + 2] * (sa1 * b0);
+              d[4 * j + 3] += part[4 * j + 3] * (sa1 * b1);
+            }
+          mbar_arrive (&empty[s]);
+        }
+      else
+        {
+#pragma unroll
+          for (int j = 0; j < BK / 16; j++)
+            wgmma_m64n128<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), 1);
+          asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          /* the previous step's products are done: hand its stage back */
+          asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+          if (kt > 0)
+            mbar_arrive (&empty[(kt - 1) % TM_STAGES]);
+        }
+    }
+  asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  /* every copy has landed (each stage was waited for): the ring is free */
+  asm volatile ("bar.sync 1, 256;\n" ::: "memory");
+  float *cs = (float *) smem;
+  const int ldc = TM_BN + 4;
+#pragma unroll
+  for (int j = 0; j < TM_BN / 8; j++)
+    {
+      int row = cw * 64 + warp_in_wg * 16 + lane / 4, col = j * 8 + (lane % 4) * 2;
+      cs[row * ldc + col] = d[4 * j];
+      cs[row * ldc + col + 1] = d[4 * j + 1];
+      cs[(row + 8) * ldc + col] = d[4 * j + 2];
+      cs[(row + 8) * ldc + col + 1] = d[4 * j + 3];
+    }
+  asm volatile ("bar.sync 1, 256;\n" ::: "memory");
+  tile_epilogue<T, MODE> (p, r, cs, ldc, TM_BM, TM_BN, nt, t, dst, ctid, 256);
+#else
+  __trap ();
+#endif
+}
+
+/* Rows in sorted order for the bulk tensor copies: row i of dst is x's
+ * token of sorted row i (gate_up's A), for the rows that were routed. */
+template <typename T>
+__global__ void __launch_bounds__ (256)
+gather_sorted (const T *x, Route r, int E, int top_k, int H, T *dst)
+{
+  const int row = blockIdx.x;
+  if (row >= r.offsets[E])
+    return;
+  const uint4 *src = (const uint4 *) (x + (size_t) (r.sorted_pair[row] / top_k) * H);
+  uint4 *out = (uint4 *) (dst + (size_t) row * H);
+  for (int i = threadIdx.x; i < H * (int) sizeof (T) / 16; i += blockDim.x)
+    out[i] = src[i];
+}
+
 /* The dynamic activation scheme for the FP8 tensor cores: each row's
  * 128-wide groups scaled by amax / 448 (1 when all zero) and rounded to
  * e4m3 (nearest even, saturated), kept as bytes plus one float scale per
- * group. One block a row, one warp a group. */
+ * group. One block a row, one warp a group. With @gather, row i of the
+ * output is sorted row i of @r (its token's x), and rows past the routed
+ * ones are skipped. */
 template <typename T>
 __global__ void __launch_bounds__ (256)
-quantize_fp8 (const T *in, int K, unsigned char *q, float *scale)
+quantize_fp8 (const T *in, int K, unsigned char *q, float *scale, bool gather = false, Route r = Route (),
+              int E = 0, int top_k = 1)
 {
   const size_t row = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, kblocks = (K + 127) / 128;
+  size_t src = row;
 
+  if (gather)
+    {
+      if ((int) row >= r.offsets[E])
+        return;
+      src = r.sorted_pair[row] / top_k;
+    }
   for (int g = warp * 128; g < K; g += 8 * 128)
     {
       float v[4], amax = 0.0f;
@@ -845,7 +1079,7 @@ quantize_fp8 (const T *in, int K, unsigned char *q, float *scale)
       for (int j = 0; j < 4; j++)
         {
           int k = g + lane * 4 + j;
-          v[j] = k < K ? to_f (in[row * K + k]) : 0.0f;
+          v[j] = k < K ? to_f (in[src * K + k]) : 0.0f;
           amax = fmaxf (amax, fabsf (v[j]));
         }
 #pragma unroll

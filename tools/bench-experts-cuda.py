@@ -34,6 +34,10 @@ SHAPES = {
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "mixtral-8x7b": (4096, 14336, 8, 2),
     "deepseek-v3": (7168, 2048, 256, 8),
+    # DeepGEMM's contiguous grouped test shapes as one layer: gate_up is
+    # (groups, M/group, N=4096, K=7168), down (groups, M/group, 7168, 2048)
+    "deepgemm-4x8192": (7168, 2048, 4, 1),
+    "deepgemm-8x4096": (7168, 2048, 8, 1),
 }
 BACKENDS = ("eager", "batched_mm", "grouped_mm")
 COPY_BW = 4.3e12      # bytes/s, device-to-device copy measured on the H200
@@ -51,6 +55,9 @@ def parse_args():
     p.add_argument("--max-copy-gib", type=float, default=40.0,
                    help="skip transformers' batched_mm where its per-row weight copies exceed this")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--libmoe-backends", default=",".join(BACKENDS),
+                   help="libmoe's backends; those transformers lacks get columns of their own")
+    p.add_argument("--weights", default="bf16", help="libmoe's expert weights: bf16, fp8 or fp4")
     p.add_argument("--json-out", default=None)
     return p.parse_args()
 
@@ -143,7 +150,9 @@ def transformers_rows(name, H, I, E, K, tokens, args):
 
 def libmoe_rows(name, H, I, E, K, tokens, args):
     cmd = [args.libmoe_bench, "--shape", f"{H},{I},{E},{K}", "--tokens", ",".join(map(str, tokens)),
-           "--batches", str(args.batches), "--max-call-ms", str(args.max_call_ms)]
+           "--batches", str(args.batches), "--max-call-ms", str(args.max_call_ms), "--weights", args.weights]
+    for b in args.libmoe_backends.split(","):
+        cmd += ["--backend", b]
     rows = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
         for line in proc.stdout:
@@ -183,22 +192,28 @@ def main():
                 return r.get("median_us")
         return None
 
+    moe_backends = args.libmoe_backends.split(",")
+    extra = [b for b in moe_backends if b not in BACKENDS]
+    print(f"libmoe expert weights: {args.weights}; TFLOP/s is the best libmoe backend's (2·T·K·3·H·I / time)")
     print("| shape (H, I, E, K) | T | floor | tf eager | tf batched | tf grouped "
-          "| moe eager | moe batched | moe grouped | best / floor | eager × | batched × | grouped × |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| moe eager | moe batched | moe grouped | " + "".join(f"moe {b} | " for b in extra) +
+          "best / floor | TFLOP/s | eager × | batched × | grouped × |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra) + "---:|---:|---:|---:|---:|")
     for name in args.shapes.split(","):
         H, I, E, K = SHAPES[name]
         for T in tokens:
             fl = floor_us(H, I, E, K, T)
             tf = [get("transformers", name, b, T) for b in BACKENDS]
-            mo = [get("libmoe", name, b, T) for b in BACKENDS]
+            mo = [get("libmoe", name, b, T) for b in BACKENDS + tuple(extra)]
             best = min([v for v in mo if v is not None], default=None)
             speedups = [f"{t / m:.1f}" if t and m else "—" for t, m in zip(tf, mo)]
             label = f"{name} ({H}, {I}, {E}, {K})" if T == tokens[0] else ""
-            print(f"| {label} | {T} | {fmt(fl)} | " + " | ".join(fmt(v) for v in tf + mo) +
-                  f" | {best / fl:.2f}× | " + " | ".join(speedups) + " |" if best else
-                  f"| {label} | {T} | {fmt(fl)} | " + " | ".join(fmt(v) for v in tf + mo) + " | — | — | — | — |")
-
+            cells = f"| {label} | {T} | {fmt(fl)} | " + " | ".join(fmt(v) for v in tf + mo)
+            if best:
+                tflops = 2 * T * K * 3 * H * I / (best * 1e-6) / 1e12
+                print(cells + f" | {best / fl:.2f}× | {tflops:.0f} | " + " | ".join(speedups) + " |")
+            else:
+                print(cells + " | — | — | — | — | — |")
 
 if __name__ == "__main__":
     main()

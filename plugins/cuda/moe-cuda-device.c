@@ -52,7 +52,7 @@ struct _MoeCudaDevice
 
 typedef struct {
   cudaLibrary_t library;
-  cudaKernel_t  gate_up, down;
+  cudaKernel_t  gate_up, down, tma_gate_up, tma_down;
 } JitKernels;
 
 G_DEFINE_FINAL_TYPE (MoeCudaDevice, moe_cuda_device, MOE_TYPE_DEVICE)
@@ -470,15 +470,24 @@ jit_source (gboolean  fp8,
       for (guint j = 0; lines[j] != NULL; j++)
         g_string_append (src, lines[j]);
     }
-  g_string_append_printf (src,
-    "\n#line 1 \"moe-deepgemm-jit.cu\"\n"
-    "extern \"C\" __global__ void __launch_bounds__ (256)\n"
-    "moe_deepgemm_gate_up (MoeCudaExperts p, Route r, const void *a, const float *s, void *dst, int n_tiles)\n"
-    "{\n  wgmma_gemm<__nv_bfloat16, MODE_GATE_UP, %s, %d> (p, r, a, s, dst, n_tiles);\n}\n"
-    "extern \"C\" __global__ void __launch_bounds__ (256)\n"
-    "moe_deepgemm_down (MoeCudaExperts p, Route r, const void *a, const float *s, void *dst, int n_tiles)\n"
-    "{\n  wgmma_gemm<__nv_bfloat16, MODE_DOWN, %s, %d> (p, r, a, s, dst, n_tiles);\n}\n",
-    fp8 ? "true" : "false", hidden, fp8 ? "true" : "false", inter);
+  /* each projection twice: bulk tensor copies (16-byte aligned rows) and
+   * cp.async (8-byte aligned); the schedule picks by the shapes */
+  for (int mode = 0; mode < 2; mode++)
+    {
+      const char *name = mode == 0 ? "gate_up" : "down", *mode_name = mode == 0 ? "MODE_GATE_UP" : "MODE_DOWN";
+      int k = mode == 0 ? hidden : inter;
+      const char *f = fp8 ? "true" : "false";
+
+      g_string_append_printf (src,
+        "\nextern \"C\" __global__ void __launch_bounds__ (256)\n"
+        "moe_deepgemm_%s (MoeCudaExperts p, Route r, const void *a, const float *s, void *dst, int n_tiles)\n"
+        "{\n  wgmma_gemm<__nv_bfloat16, %s, %s, %d> (p, r, a, s, dst, n_tiles);\n}\n"
+        "extern \"C\" __global__ void __launch_bounds__ (TM_THREADS, 1)\n"
+        "moe_deepgemm_tma_%s (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,\n"
+        "                      MoeCudaExperts p, Route r, const float *s, void *dst, int n_tiles)\n"
+        "{\n  tma_gemm<__nv_bfloat16, %s, %s, %d> (&ta, &tb, p, r, s, dst, n_tiles);\n}\n",
+        name, mode_name, f, k, name, mode_name, f, k);
+    }
   return g_string_free (src, FALSE);
 }
 
@@ -522,6 +531,10 @@ jit_kernels_get (MoeCudaDevice  *self,
     err = cudaLibraryGetKernel (&k->gate_up, k->library, "moe_deepgemm_gate_up");
   if (err == cudaSuccess)
     err = cudaLibraryGetKernel (&k->down, k->library, "moe_deepgemm_down");
+  if (err == cudaSuccess)
+    err = cudaLibraryGetKernel (&k->tma_gate_up, k->library, "moe_deepgemm_tma_gate_up");
+  if (err == cudaSuccess)
+    err = cudaLibraryGetKernel (&k->tma_down, k->library, "moe_deepgemm_tma_down");
   if (err != cudaSuccess)
     {
       cudaGetLastError ();
@@ -657,6 +670,8 @@ cuda_run_experts (MoeDevice           *device,
         return NULL;
       e.jit_gate_up = k->gate_up;
       e.jit_down = k->down;
+      e.jit_tma_gate_up = k->tma_gate_up;
+      e.jit_tma_down = k->tma_down;
     }
 
   out = moe_tensor_new_empty (device, dtype, moe_tensor_get_shape (hidden_states, NULL), 2, error);

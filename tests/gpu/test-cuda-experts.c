@@ -135,7 +135,8 @@ test_fixture_wgmma (gconstpointer data)
     }
   /* deepgemm runs bf16 hidden states only */
   {
-    g_autoptr(MoeTensor) f32 = moe_tensor_to_dtype (c.hidden, MOE_DTYPE_F32, NULL);
+    g_autoptr(MoeTensor) host = moe_tensor_to_dtype (c.hidden, MOE_DTYPE_F32, NULL);
+    g_autoptr(MoeTensor) f32 = moe_tensor_to_device (host, cuda, NULL);
     if (!moe_experts_get_is_transposed (c.experts))
       {
         moe_experts_set_implementation (c.experts, "deepgemm");
