@@ -385,7 +385,6 @@ struct Workspace {
   float *xq, *hq;           /* quantized weights: the activations after dynamic quantization */
   unsigned char *xq8, *hq8; /* FP8 on the tensor cores: the e4m3 activations… */
   float *xs, *hs;           /* …and their scales, [rows, ⌈K/128⌉] */
-  float *sum;               /* the fused schedule: [T, H] float sums */
   int *row_expert;
 };
 
@@ -460,10 +459,7 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
   w->r.tile_start = (int *) take ((E + 1) * sizeof (int));
   w->r.sorted_pair = (int *) take (S * sizeof (int));
   w->h = take (S * p->inter * es);
-  if (schedule == MOE_CUDA_FUSED)
-    w->sum = (float *) take ((size_t) p->tokens * p->hidden * sizeof (float));
-  else
-    w->y = take (S * p->hidden * es);
+  w->y = take (S * p->hidden * es);
   if (schedule == MOE_CUDA_PER_EXPERT)
     {
       w->row_expert = (int *) take (S * sizeof (int));
@@ -472,7 +468,7 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
       w->ys = take (S * p->hidden * es);
     }
   const GemmPath path = hopper_path (*p, schedule);
-  if (p->weight_format == MOE_CUDA_WEIGHTS_PLAIN && path == PATH_TMA)
+  if (p->weight_format == MOE_CUDA_WEIGHTS_PLAIN && path == PATH_TMA && schedule != MOE_CUDA_FUSED)
     w->xg = take (S * p->hidden * es);
   if (p->weight_format == MOE_CUDA_WEIGHTS_FP8 && path != PATH_OTHER)
     {
@@ -537,29 +533,17 @@ launch_wgmma (const void *kernel, long tiles, MoeCudaExperts p, Route r, const v
   return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
 }
 
-template <typename T>
-__global__ void __launch_bounds__ (256)
-round_sums (const float *sum, size_t n, T *out)
-{
-  for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x)
-    out[i] = from_f<T> (sum[i]);
-}
-
 /* Routes, then both wgmma grouped GEMMs: @k_gu and @k_dn are the ahead-of-
  * time kernels, or the deepgemm schedule's just-in-time ones. FP8 weights
- * get their activations quantized to e4m3 first, each projection's. With
- * @fused, @k_dn is a down-combine kernel adding the weighted rows into
- * float sums per token (the fused schedule), rounded at the end. */
+ * get their activations quantized to e4m3 first, each projection's. */
 template <typename T, bool FP8>
 const char *
-run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const void *k_gu, const void *k_dn,
-                   bool fused = false)
+run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const void *k_gu, const void *k_dn)
 {
   const int S = p.tokens * p.top_k, E = p.num_experts;
   const long m_slots = (S + WG_BM - 1) / WG_BM + (long) (E < S ? E : S);
   const int outs = p.has_gate ? WG_BN / 2 : WG_BN;
   const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + WG_BN - 1) / WG_BN;
-  const size_t n_out = (size_t) p.tokens * p.hidden;
   const void *x = p.x, *h = w.h;
   const float *xs = nullptr, *hs = nullptr;
   const char *msg;
@@ -578,14 +562,9 @@ run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, 
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq8, w.hs);
       h = w.hq8, hs = w.hs;
     }
-  if (fused && cudaMemsetAsync (w.sum, 0, n_out * sizeof (float), s) != cudaSuccess)
-    return "could not clear the fused schedule's sums";
-  if ((msg = launch_wgmma (k_dn, m_slots * nt_dn, p, w.r, h, hs, fused ? (void *) w.sum : w.y, nt_dn, s)) != nullptr)
+  if ((msg = launch_wgmma (k_dn, m_slots * nt_dn, p, w.r, h, hs, w.y, nt_dn, s)) != nullptr)
     return msg;
-  if (!fused)
-    return launch_combine<T> (p, w, s);
-  round_sums<T><<<(unsigned) ((n_out + 255) / 256 < 4096 ? (n_out + 255) / 256 : 4096), 256, 0, s>>> (w.sum, n_out, (T *) p.out);
-  return nullptr;
+  return launch_combine<T> (p, w, s);
 }
 
 template <typename T, bool FP8>
@@ -639,18 +618,18 @@ make_tensor_map (CUtensorMap *map, const void *base, int es, size_t rows, int co
   return nullptr;
 }
 
-template <typename T, int MODE, bool FP8>
+template <typename T, int MODE, bool FP8, bool GATHER = false>
 __global__ void __launch_bounds__ (TM_THREADS, 1)
 grouped_gemm_tma (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, MoeCudaExperts p,
                   Route r, const float *a_scale, void *dst, int n_tiles)
 {
-  tma_gemm<T, MODE, FP8, 0> (&ta, &tb, p, r, a_scale, dst, n_tiles);
+  tma_gemm<T, MODE, FP8, 0, tma_bn<FP8> (), GATHER> (&ta, &tb, p, r, a_scale, dst, n_tiles);
 }
 
 const char *
-launch_tma (const void *kernel, long tiles, const void *a, int es, size_t a_rows, const void *w, size_t w_rows,
-            int k, int w_box_rows, MoeCudaExperts p, Route r, const float *a_scale, void *dst, int n_tiles,
-            cudaStream_t s)
+launch_tma (const void *kernel, long tiles, size_t smem, const void *a, int es, size_t a_rows, const void *w,
+            size_t w_rows, int k, int w_box_rows, MoeCudaExperts p, Route r, const float *a_scale, void *dst,
+            int n_tiles, cudaStream_t s)
 {
   CUtensorMap ta, tb;
   const char *msg;
@@ -660,26 +639,28 @@ launch_tma (const void *kernel, long tiles, const void *a, int es, size_t a_rows
   if ((msg = make_tensor_map (&ta, a, es, a_rows, k, TM_BM)) != nullptr ||
       (msg = make_tensor_map (&tb, w, es, w_rows, k, w_box_rows)) != nullptr)
     return msg;
-  err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) TM_SMEM);
+  err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
   if (err == cudaSuccess)
-    err = cudaLaunchKernel (kernel, dim3 ((unsigned) tiles), dim3 (TM_THREADS), args, TM_SMEM, s);
+    err = cudaLaunchKernel (kernel, dim3 ((unsigned) tiles), dim3 (TM_THREADS), args, smem, s);
   return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
 }
 
 /* As run_grouped_wgmma, with the bulk-copy GEMMs: x is first gathered (and
- * for FP8 quantized) into sorted rows, which the copies read in boxes. */
+ * for FP8 quantized) into sorted rows, which the copies read in boxes —
+ * unless @k_gu gathers its rows itself (@gathering: the fused schedule). */
 template <typename T, bool FP8>
 const char *
 run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const void *k_gu, const void *k_dn,
-                 bool fused = false)
+                 bool gathering = false)
 {
+  constexpr int BN = tma_bn<FP8> ();
+  constexpr size_t smem = TmaTile<BN>::SMEM;
   const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
   const long m_slots = (S + TM_BM - 1) / TM_BM + (long) (E < S ? E : S);
-  const int outs = p.has_gate ? TM_BN / 2 : TM_BN;
-  const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + TM_BN - 1) / TM_BN;
+  const int outs = p.has_gate ? BN / 2 : BN;
+  const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + BN - 1) / BN;
   const int upn = p.has_gate ? 2 * p.inter : p.inter;
   const bool split = p.has_gate && !p.interleaved;
-  const size_t n_out = (size_t) p.tokens * p.hidden;
   const void *a;
   const float *as = nullptr;
   const char *msg;
@@ -690,13 +671,15 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs, true, w.r, E, p.top_k);
       a = w.xq8, as = w.xs;
     }
-  else
+  else if (!gathering)
     {
       gather_sorted<T><<<S, 256, 0, s>>> ((const T *) p.x, w.r, E, p.top_k, p.hidden, (T *) w.xg);
       a = w.xg;
     }
-  if ((msg = launch_tma (k_gu, m_slots * nt_gu, a, es, S, p.up, (size_t) E * upn, p.hidden, split ? TM_BN / 2 : TM_BN,
-                         p, w.r, as, w.h, nt_gu, s)) != nullptr)
+  else
+    a = p.x;   /* the map is not read */
+  if ((msg = launch_tma (k_gu, m_slots * nt_gu, smem, a, es, gathering ? p.tokens : S, p.up, (size_t) E * upn, p.hidden,
+                         split ? BN / 2 : BN, p, w.r, as, w.h, nt_gu, s)) != nullptr)
     return msg;
   a = w.h;
   if (FP8)
@@ -705,15 +688,10 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq8, w.hs);
       a = w.hq8, as = w.hs;
     }
-  if (fused && cudaMemsetAsync (w.sum, 0, n_out * sizeof (float), s) != cudaSuccess)
-    return "could not clear the fused schedule's sums";
-  if ((msg = launch_tma (k_dn, m_slots * nt_dn, a, es, S, p.down, (size_t) E * p.hidden, p.inter, TM_BN,
-                         p, w.r, as, fused ? (void *) w.sum : w.y, nt_dn, s)) != nullptr)
+  if ((msg = launch_tma (k_dn, m_slots * nt_dn, smem, a, es, S, p.down, (size_t) E * p.hidden, p.inter, BN,
+                         p, w.r, as, w.y, nt_dn, s)) != nullptr)
     return msg;
-  if (!fused)
-    return launch_combine<T> (p, w, s);
-  round_sums<T><<<(unsigned) ((n_out + 255) / 256 < 4096 ? (n_out + 255) / 256 : 4096), 256, 0, s>>> (w.sum, n_out, (T *) p.out);
-  return nullptr;
+  return launch_combine<T> (p, w, s);
 }
 
 template <typename T, bool FP8>
@@ -727,10 +705,9 @@ run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s
                                     (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8>);
 }
 
-/* sonicmoe's schedule: grouped wgmma GEMMs, the gather and the activation
- * fused into gate_up, the routing weight and the sum over the K slots
- * into down's epilogue (no y rows, no combine pass); bf16, gated. The
- * float sums are added in whatever order the tiles finish. */
+/* sonicmoe's schedule: the gather of x fused into gate_up's producer (no
+ * gathered copy), the activation into its epilogue, bias and un-permute into
+ * down's; then the combine. bf16 experts on bf16 hidden states. */
 const char *
 run_fused (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
@@ -739,10 +716,10 @@ run_fused (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   if (p.dtype != MOE_CUDA_BF16 || p.weight_format != MOE_CUDA_WEIGHTS_PLAIN)
     return "the fused schedule runs bf16 experts on bf16 hidden states";
   if (hopper_path (p, MOE_CUDA_FUSED) == PATH_TMA)
-    return run_grouped_tma<B, false> (p, w, s, (const void *) grouped_gemm_tma<B, MODE_GATE_UP, false>,
-                                      (const void *) grouped_gemm_tma<B, MODE_DOWN_COMBINE, false>, true);
-  return run_grouped_wgmma<B, false> (p, w, s, (const void *) grouped_gemm_wgmma<B, MODE_GATE_UP, false>,
-                                      (const void *) grouped_gemm_wgmma<B, MODE_DOWN_COMBINE, false>, true);
+    return run_grouped_tma<B, false> (p, w, s, (const void *) grouped_gemm_tma<B, MODE_GATE_UP, false, true>,
+                                      (const void *) grouped_gemm_tma<B, MODE_DOWN, false>, true);
+  /* 8-byte aligned rows: the cp.async kernels gather in their prologue too */
+  return run_grouped_wgmma_aot<B, false> (p, w, s);
 }
 
 /* deepgemm: the grouped schedule on the Hopper tensor cores, with the

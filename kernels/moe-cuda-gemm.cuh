@@ -110,9 +110,8 @@ gate_up_rows (const MoeCudaExperts &p, int j, int *gr, int *ur)
 }
 
 /* The two projections: gate_up reads x (gathered by token) and writes h,
- * down reads h and writes y; down-combine (the fused schedule) adds each
- * weighted row of y straight into a float32 sum per token instead. */
-enum { MODE_GATE_UP, MODE_DOWN, MODE_DOWN_COMBINE };
+ * down reads h and writes y. */
+enum { MODE_GATE_UP, MODE_DOWN };
 
 /* ---- quantized weights: one value at a time ---------------------------- */
 
@@ -381,21 +380,6 @@ tile_epilogue (const MoeCudaExperts &p, const Route &r, const float *cs, int ldc
                int bm, int bn, int nt, const Tile &t, void *dst,
                int tid = threadIdx.x, int nthreads = blockDim.x)
 {
-  if (MODE == MODE_DOWN_COMBINE)
-    {
-      float *sum = (float *) dst;
-      for (int i = tid; i < bm * bn; i += nthreads)
-        {
-          int row = i / bn, c = i % bn, n = nt * bn + c;
-          if (row < t.rows && n < p.hidden)
-            {
-              int pair = r.sorted_pair[t.row0 + row];
-              float v = down_finish<T> (p, t.e, n, cs[row * ldc + c]) * load_any (p.routing, p.routing_dtype, pair);
-              atomicAdd (&sum[(size_t) (pair / p.top_k) * p.hidden + n], v);
-            }
-        }
-      return;
-    }
   if (MODE != MODE_GATE_UP)
     {
       T *y = (T *) dst;
@@ -684,6 +668,25 @@ wgmma_m64n128 (float d[64], uint64_t da, uint64_t db, int accumulate)
 #endif
 }
 
+/* d += A·Bᵀ over one k-step of 16 bf16/f16 values, 256 columns */
+template <typename TOp>
+__device__ __forceinline__ void
+wgmma_m64n256 (float d[128], uint64_t da, uint64_t db)
+{
+#if defined (__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (std::is_same<TOp, __nv_bfloat16>::value)
+    asm volatile ("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 0;\n"
+                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) : "l"(da), "l"(db));
+  else if constexpr (std::is_same<TOp, __half>::value)
+    asm volatile ("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 0;\n"
+                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) : "l"(da), "l"(db));
+  else
+    __trap ();
+#else
+  __trap ();
+#endif
+}
+
 /* One CTA of the wgmma grouped GEMM. FP8: a_base holds e4m3 rows and
  * a_scale their scales, [rows, ⌈K/128⌉]; else a_base holds T rows. KC is
  * the inner size when known at compile time (just-in-time builds), or 0. */
@@ -833,15 +836,27 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
  *
  * For A rows already in sorted order in one buffer (the gathered x, or h):
  * one producer warp issues bulk tensor copies (128-byte swizzle, what wgmma
- * reads) of 128-row A boxes and the tile's weight rows into a TM_STAGES-deep
+ * reads) of 128-row A boxes and the tile's weight rows into a few-stage
  * ring guarded by mbarriers; two consumer warpgroups (64 rows each) run
  * wgmma as stages fill and hand each stage back when its products are done.
  * No block-wide barrier in the main loop. Rows and weight rows that belong
  * to the next expert (or lie past the end) are multiplied and never written.
  * Needs 16-byte aligned rows (H·size and I·size multiples of 16). */
-constexpr int TM_BM = 128, TM_BN = 128, TM_STAGES = 5, TM_THREADS = 384;
-constexpr int TM_STAGE_BYTES = (TM_BM + TM_BN) * WG_ROW_BYTES;
-constexpr size_t TM_SMEM = (size_t) TM_STAGES * TM_STAGE_BYTES + 1024;
+constexpr int TM_BM = 128, TM_THREADS = 384;
+
+/* n-tiles of 128 columns (FP8, whose per-block partial sums take as many
+ * registers again) or 256 (bf16/f16: half the tiles, so half the pipeline
+ * fills and epilogues per FLOP) */
+template <int BN_>
+struct TmaTile {
+  static constexpr int BN = BN_, STAGES = BN == 256 ? 4 : 5;
+  static constexpr int STAGE_BYTES = (TM_BM + BN) * WG_ROW_BYTES;
+  static constexpr size_t SMEM = (size_t) STAGES * STAGE_BYTES + 1024;
+  static_assert ((size_t) TM_BM * (BN + 4) * 4 <= (size_t) STAGES * STAGE_BYTES, "the epilogue stages in the ring");
+};
+
+template <bool FP8>
+constexpr int tma_bn () { return FP8 ? 128 : 256; }
 
 __device__ __forceinline__ unsigned
 smem_addr (const void *p)
@@ -886,7 +901,11 @@ tma_load (void *dst, const CUtensorMap *map, uint64_t *bar, int k, int row)
 #endif
 }
 
-template <typename T, int MODE, bool FP8, int KC>
+/* GATHER (gate_up, bf16/f16): the producer warpgroup gathers the A rows
+ * from x by token itself with cp.async (no gathered copy of x in memory),
+ * each thread releasing a stage once its own copies of it have landed;
+ * ta is then unused. */
+template <typename T, int MODE, bool FP8, int KC, int BN, bool GATHER = false>
 __device__ __forceinline__ void
 tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p, const Route &r,
           const float *a_scale, void *dst, int n_tiles)
@@ -894,10 +913,15 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
 #if defined (__CUDA_ARCH_FEAT_SM90_ALL)
   using TOp = typename std::conditional<FP8, unsigned char, T>::type;
   constexpr int ES = sizeof (TOp), BK = WG_ROW_BYTES / ES;
+  constexpr int STAGES = TmaTile<BN>::STAGES, STAGE_BYTES = TmaTile<BN>::STAGE_BYTES;
+  static_assert (!FP8 || BN == 128, "FP8 tiles are 128 columns wide");
+  static_assert (!GATHER || (!FP8 && MODE == MODE_GATE_UP), "the gathering producer feeds bf16/f16 gate_up");
+  constexpr int LAG = STAGES - 1;   /* GATHER: stages a producer thread keeps in flight */
   extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__ (8) uint64_t full[TM_STAGES], empty[TM_STAGES];
-  __shared__ float s_scale[FP8 ? TM_STAGES : 1][TM_BM + TM_BN];   /* FP8: rows', then columns' */
-  __shared__ int b_row[TM_BN];
+  __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
+  __shared__ int a_row[GATHER ? TM_BM : 1];
+  __shared__ float s_scale[FP8 ? STAGES : 1][TM_BM + BN];   /* FP8: rows', then columns' */
+  __shared__ int b_row[BN];
   unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
   const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
   const int K = KC != 0 ? KC : (MODE != MODE_GATE_UP ? p.inter : p.hidden);
@@ -909,21 +933,73 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
     return;
   if (threadIdx.x == 0)
     {
-      for (int s = 0; s < TM_STAGES; s++)
+      for (int s = 0; s < STAGES; s++)
         {
-          mbar_init (&full[s], 1);
+          /* FP8: every producer lane writes scales and releases them
+           * itself; GATHER: every producer thread its copies, and the
+           * bulk copies' expected bytes one more arrival */
+          mbar_init (&full[s], FP8 ? 32 : GATHER ? 129 : 1);
           mbar_init (&empty[s], 256);
         }
       asm volatile ("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-  for (int c = threadIdx.x; c < TM_BN; c += blockDim.x)
-    b_row[c] = tile_weight_row<MODE> (p, TM_BN, nt, c);
+  for (int c = threadIdx.x; c < BN; c += blockDim.x)
+    b_row[c] = tile_weight_row<MODE> (p, BN, nt, c);
+  if (GATHER)
+    for (int i = threadIdx.x; i < TM_BM; i += blockDim.x)
+      a_row[i] = i < t.rows ? r.sorted_pair[t.row0 + i] / p.top_k : -1;
   __syncthreads ();
 
-  auto stage_a = [&] (int stage) { return smem + stage * TM_STAGE_BYTES; };
-  auto stage_b = [&] (int stage) { return smem + stage * TM_STAGE_BYTES + TM_BM * WG_ROW_BYTES; };
+  auto stage_a = [&] (int stage) { return smem + stage * STAGE_BYTES; };
+  auto stage_b = [&] (int stage) { return smem + stage * STAGE_BYTES + TM_BM * WG_ROW_BYTES; };
   const int wg = threadIdx.x / 128;
 
+  if (GATHER && wg == 0)
+    {
+      /* more registers for the copies' addresses than the bulk-copy
+       * producer needs; the consumers give up some (64.5K in all) */
+      asm volatile ("setmaxnreg.dec.sync.aligned.u32 56;\n");
+      const int ptid = threadIdx.x;
+      const unsigned char *x = (const unsigned char *) p.x;
+      const bool split = p.has_gate && !p.interleaved;
+      const int wrow0 = t.e * nw + (split ? nt * (BN / 2) : b_row[0] >= 0 ? b_row[0] : 0);
+      for (int kt = 0; kt < ktiles + LAG; kt++)
+        {
+          if (kt < ktiles)
+            {
+              const int s = kt % STAGES;
+              if (kt >= STAGES)
+                mbar_wait (&empty[s], ((kt / STAGES) + 1) & 1);
+              if (ptid == 0)
+                {
+                  mbar_expect_tx (&full[s], BN * WG_ROW_BYTES);
+                  if (split)
+                    {
+                      tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
+                      tma_load (stage_b (s) + (BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK, wrow0 + p.inter);
+                    }
+                  else
+                    tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
+                }
+              for (int c = ptid; c < TM_BM * 8; c += 128)
+                {
+                  int row = c / 8, ch = c % 8, k = kt * BK + ch * (16 / ES);
+                  bool ok = a_row[row] >= 0 && k < K;
+                  cp_async16 (stage_a (s) + swizzle128 (row, ch), ok ? x + ((size_t) a_row[row] * K + k) * ES : x, ok);
+                }
+            }
+          asm volatile ("cp.async.commit_group;\n");
+          if (kt >= LAG)
+            {
+              /* this thread's copies of stage kt - LAG have landed: order them
+               * before the tensor cores' reads, then release the stage */
+              asm volatile ("cp.async.wait_group %0;\n" :: "n"(LAG));
+              asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
+              mbar_arrive (&full[(kt - LAG) % STAGES]);
+            }
+        }
+      return;
+    }
   if (wg == 0)
     {
       /* the producer: warp 0; lane 0 issues the copies */
@@ -933,30 +1009,31 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       const int lane = threadIdx.x;
       /* the tile's weight rows: one box, or the gate and up halves apart */
       const bool split = MODE == MODE_GATE_UP && p.has_gate && !p.interleaved;
-      const int wrow0 = t.e * nw + (split ? nt * (TM_BN / 2) : b_row[0] >= 0 ? b_row[0] : 0);
+      const int wrow0 = t.e * nw + (split ? nt * (BN / 2) : b_row[0] >= 0 ? b_row[0] : 0);
       for (int kt = 0; kt < ktiles; kt++)
         {
-          const int s = kt % TM_STAGES;
-          if (kt >= TM_STAGES)
-            mbar_wait (&empty[s], ((kt / TM_STAGES) + 1) & 1);
+          const int s = kt % STAGES;
+          if (kt >= STAGES)
+            mbar_wait (&empty[s], ((kt / STAGES) + 1) & 1);
           if (FP8)
             {
-              for (int i = lane; i < TM_BM + TM_BN; i += 32)
+              for (int i = lane; i < TM_BM + BN; i += 32)
                 {
                   int c = i - TM_BM;
                   s_scale[s][i] = i < TM_BM ? (i < t.rows ? a_scale[(size_t) (t.row0 + i) * kblocks + kt] : 0.0f)
                                             : (b_row[c] >= 0 ? weight_scale<MOE_CUDA_WEIGHTS_FP8, MODE> (p, t.e, b_row[c], kt * BK) : 0.0f);
                 }
-              __syncwarp ();
+              if (lane != 0)
+                mbar_arrive (&full[s]);
             }
           if (lane == 0)
             {
-              mbar_expect_tx (&full[s], TM_STAGE_BYTES);
+              mbar_expect_tx (&full[s], STAGE_BYTES);
               tma_load (stage_a (s), ta, &full[s], kt * BK, t.row0);
               if (split)
                 {
                   tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
-                  tma_load (stage_b (s) + (TM_BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK, wrow0 + p.inter);
+                  tma_load (stage_b (s) + (BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK, wrow0 + p.inter);
                 }
               else
                 tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
@@ -965,19 +1042,22 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       return;
     }
 
-  asm volatile ("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  if (GATHER)
+    asm volatile ("setmaxnreg.inc.sync.aligned.u32 224;\n");
+  else
+    asm volatile ("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int cw = wg - 1, ctid = threadIdx.x - 128;
   const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
-  float d[64];
+  float d[BN / 2];
   float part[FP8 ? 64 : 1];
 #pragma unroll
-  for (int i = 0; i < 64; i++)
+  for (int i = 0; i < BN / 2; i++)
     d[i] = 0.0f;
 
   for (int kt = 0; kt < ktiles; kt++)
     {
-      const int s = kt % TM_STAGES;
-      mbar_wait (&full[s], (kt / TM_STAGES) & 1);
+      const int s = kt % STAGES;
+      mbar_wait (&full[s], (kt / STAGES) & 1);
       unsigned char *sa = stage_a (s) + cw * 64 * WG_ROW_BYTES;
       unsigned char *sb = stage_b (s);
       asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -992,7 +1072,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
           const int r0 = cw * 64 + warp_in_wg * 16 + lane / 4;
           const float sa0 = sc[r0], sa1 = sc[r0 + 8];
 #pragma unroll
-          for (int j = 0; j < TM_BN / 8; j++)
+          for (int j = 0; j < BN / 8; j++)
             {
               int col = j * 8 + (lane % 4) * 2;
               float b0 = sc[TM_BM + col], b1 = sc[TM_BM + col + 1];
@@ -1007,21 +1087,24 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
         {
 #pragma unroll
           for (int j = 0; j < BK / 16; j++)
-            wgmma_m64n128<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), 1);
+            if constexpr (BN == 256)
+              wgmma_m64n256<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
+            else
+              wgmma_m64n128<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), 1);
           asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           /* the previous step's products are done: hand its stage back */
           asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
           if (kt > 0)
-            mbar_arrive (&empty[(kt - 1) % TM_STAGES]);
+            mbar_arrive (&empty[(kt - 1) % STAGES]);
         }
     }
   asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   /* every copy has landed (each stage was waited for): the ring is free */
   asm volatile ("bar.sync 1, 256;\n" ::: "memory");
   float *cs = (float *) smem;
-  const int ldc = TM_BN + 4;
+  const int ldc = BN + 4;
 #pragma unroll
-  for (int j = 0; j < TM_BN / 8; j++)
+  for (int j = 0; j < BN / 8; j++)
     {
       int row = cw * 64 + warp_in_wg * 16 + lane / 4, col = j * 8 + (lane % 4) * 2;
       cs[row * ldc + col] = d[4 * j];
@@ -1030,7 +1113,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       cs[(row + 8) * ldc + col + 1] = d[4 * j + 3];
     }
   asm volatile ("bar.sync 1, 256;\n" ::: "memory");
-  tile_epilogue<T, MODE> (p, r, cs, ldc, TM_BM, TM_BN, nt, t, dst, ctid, 256);
+  tile_epilogue<T, MODE> (p, r, cs, ldc, TM_BM, BN, nt, t, dst, ctid, 256);
 #else
   __trap ();
 #endif

@@ -7,6 +7,9 @@
 #                                   test gives them; prints "N passed, N failed,
 #                                   N skipped" and exits non-zero on a failure
 #   tools/gpu-run.sh bench [ARGS]   tools/bench-experts-cuda.py ARGS
+#   tools/gpu-run.sh sanitize TOOL [-p TESTPATH ...]
+#                                   the gpu suite under compute-sanitizer
+#                                   --tool TOOL (memcheck, racecheck, …)
 #
 # The machine has CUDA and cuBLAS but no GLib: the bundle carries GLib.
 #
@@ -47,9 +50,14 @@ case "$what" in
     echo "$passed passed, $failed failed, $skipped skipped"
     [ $failed -eq 0 ] && [ $passed -gt 0 ]
     ;;
+  sanitize)
+    tool=${1:-memcheck}
+    [ $# -gt 0 ] && shift
+    exec compute-sanitizer --tool "$tool" --error-exitcode 3 "$root/bin/test-cuda-experts" "$@"
+    ;;
   bench)
     PYTHONUNBUFFERED=1 exec python3 tools/bench-experts-cuda.py --libmoe-bench "$root/bin/moe-bench-cuda-experts" "$@"
     ;;
   *)
-    echo "usage: $0 test | bench [ARGS]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac
