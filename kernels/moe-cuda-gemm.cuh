@@ -917,6 +917,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   static_assert (!FP8 || BN == 128, "FP8 tiles are 128 columns wide");
   static_assert (!GATHER || (!FP8 && MODE == MODE_GATE_UP), "the gathering producer feeds bf16/f16 gate_up");
   constexpr int LAG = STAGES - 1;   /* GATHER: stages a producer thread keeps in flight */
+  static_assert (LAG >= 1, "a stage in flight");
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
   __shared__ int a_row[GATHER ? TM_BM : 1];
@@ -965,6 +966,16 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       const int wrow0 = t.e * nw + (split ? nt * (BN / 2) : b_row[0] >= 0 ? b_row[0] : 0);
       for (int kt = 0; kt < ktiles + LAG; kt++)
         {
+          /* first release stage kt - LAG (this thread's copies of it have
+           * landed: order them before the tensor cores' reads): the
+           * consumers hand back stage kt - STAGES only once they have
+           * started on the stage after it */
+          if (kt >= LAG)
+            {
+              asm volatile ("cp.async.wait_group %0;\n" :: "n"(LAG - 1));
+              asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
+              mbar_arrive (&full[(kt - LAG) % STAGES]);
+            }
           if (kt < ktiles)
             {
               const int s = kt % STAGES;
@@ -989,14 +1000,6 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                 }
             }
           asm volatile ("cp.async.commit_group;\n");
-          if (kt >= LAG)
-            {
-              /* this thread's copies of stage kt - LAG have landed: order them
-               * before the tensor cores' reads, then release the stage */
-              asm volatile ("cp.async.wait_group %0;\n" :: "n"(LAG));
-              asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
-              mbar_arrive (&full[(kt - LAG) % STAGES]);
-            }
         }
       return;
     }

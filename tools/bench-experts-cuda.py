@@ -66,11 +66,13 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def floor_us(H, I, E, K, T):
+def floor_us(H, I, E, K, T, weights="bf16"):
+    """PERFORMANCE.md's floor; FP8: half the weight bytes, twice the matrix rate."""
+    fp8 = weights == "fp8"
     touched = E * (1 - (1 - K / E) ** T)
-    nbytes = touched * 3 * H * I * 2 + 2 * T * H * 2 + T * K * 12
+    nbytes = touched * 3 * H * I * (1 if fp8 else 2) + 2 * T * H * 2 + T * K * 12
     flops = 2 * T * K * 3 * H * I
-    return max(nbytes / COPY_BW, flops / BF16_PEAK) * 1e6
+    return max(nbytes / COPY_BW, flops / (BF16_PEAK * (2 if fp8 else 1))) * 1e6
 
 
 def time_calls(fn, sync, batches, max_call_ms):
@@ -194,7 +196,8 @@ def main():
 
     moe_backends = args.libmoe_backends.split(",")
     extra = [b for b in moe_backends if b not in BACKENDS]
-    print(f"libmoe expert weights: {args.weights}; TFLOP/s is the best libmoe backend's (2·T·K·3·H·I / time)")
+    print(f"libmoe expert weights: {args.weights} (transformers: bf16); floor for {args.weights}; "
+          "TFLOP/s is the best libmoe backend's (2·T·K·3·H·I / time)")
     print("| shape (H, I, E, K) | T | floor | tf eager | tf batched | tf grouped "
           "| moe eager | moe batched | moe grouped | " + "".join(f"moe {b} | " for b in extra) +
           "best / floor | TFLOP/s | eager × | batched × | grouped × |")
@@ -202,7 +205,7 @@ def main():
     for name in args.shapes.split(","):
         H, I, E, K = SHAPES[name]
         for T in tokens:
-            fl = floor_us(H, I, E, K, T)
+            fl = floor_us(H, I, E, K, T, args.weights)
             tf = [get("transformers", name, b, T) for b in BACKENDS]
             mo = [get("libmoe", name, b, T) for b in BACKENDS + tuple(extra)]
             best = min([v for v in mo if v is not None], default=None)
