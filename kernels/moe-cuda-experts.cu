@@ -469,7 +469,7 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
     }
   const GemmPath path = hopper_path (*p, schedule);
   if (p->weight_format == MOE_CUDA_WEIGHTS_PLAIN && path == PATH_TMA && schedule != MOE_CUDA_FUSED)
-    w->xg = take (S * p->hidden * es);
+    w->xg = take (S * p->hidden * es);   /* the gather for the bulk copies */
   if (p->weight_format == MOE_CUDA_WEIGHTS_FP8 && path != PATH_OTHER)
     {
       /* the bulk copies read x gathered in sorted order, cp.async by token */
@@ -618,12 +618,12 @@ make_tensor_map (CUtensorMap *map, const void *base, int es, size_t rows, int co
   return nullptr;
 }
 
-template <typename T, int MODE, bool FP8, bool GATHER = false>
+template <typename T, int MODE, bool FP8>
 __global__ void __launch_bounds__ (TM_THREADS, 1)
 grouped_gemm_tma (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, MoeCudaExperts p,
                   Route r, const float *a_scale, void *dst, int n_tiles)
 {
-  tma_gemm<T, MODE, FP8, 0, tma_bn<FP8> (), GATHER> (&ta, &tb, p, r, a_scale, dst, n_tiles);
+  tma_gemm<T, MODE, FP8, 0, tma_bn<FP8> ()> (&ta, &tb, p, r, a_scale, dst, n_tiles);
 }
 
 const char *
@@ -646,12 +646,10 @@ launch_tma (const void *kernel, long tiles, size_t smem, const void *a, int es, 
 }
 
 /* As run_grouped_wgmma, with the bulk-copy GEMMs: x is first gathered (and
- * for FP8 quantized) into sorted rows, which the copies read in boxes —
- * unless @k_gu gathers its rows itself (@gathering: the fused schedule). */
+ * for FP8 quantized) into sorted rows, which the copies read in boxes. */
 template <typename T, bool FP8>
 const char *
-run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const void *k_gu, const void *k_dn,
-                 bool gathering = false)
+run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const void *k_gu, const void *k_dn)
 {
   constexpr int BN = tma_bn<FP8> ();
   constexpr size_t smem = TmaTile<BN>::SMEM;
@@ -671,14 +669,12 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs, true, w.r, E, p.top_k);
       a = w.xq8, as = w.xs;
     }
-  else if (!gathering)
+  else
     {
       gather_sorted<T><<<S, 256, 0, s>>> ((const T *) p.x, w.r, E, p.top_k, p.hidden, (T *) w.xg);
       a = w.xg;
     }
-  else
-    a = p.x;   /* the map is not read */
-  if ((msg = launch_tma (k_gu, m_slots * nt_gu, smem, a, es, gathering ? p.tokens : S, p.up, (size_t) E * upn, p.hidden,
+  if ((msg = launch_tma (k_gu, m_slots * nt_gu, smem, a, es, S, p.up, (size_t) E * upn, p.hidden,
                          split ? BN / 2 : BN, p, w.r, as, w.h, nt_gu, s)) != nullptr)
     return msg;
   a = w.h;
@@ -705,21 +701,20 @@ run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s
                                     (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8>);
 }
 
-/* sonicmoe's schedule: the gather of x fused into gate_up's producer (no
- * gathered copy), the activation into its epilogue, bias and un-permute into
- * down's; then the combine. bf16 experts on bf16 hidden states. */
+/* sonicmoe's schedule: the gather of x fused into gate_up's prologue
+ * (cp.async rows by token: no gathered copy of x, no gather pass), the
+ * activation into its epilogue, bias and un-permute into down's, then the
+ * combine: four kernels. bf16 experts on bf16 hidden states. (Folding the
+ * combine into down's epilogue with float atomics measured slower, and a
+ * gathering producer for the bulk-copy GEMM is not finished.) */
 const char *
 run_fused (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
-  using B = __nv_bfloat16;
-
   if (p.dtype != MOE_CUDA_BF16 || p.weight_format != MOE_CUDA_WEIGHTS_PLAIN)
     return "the fused schedule runs bf16 experts on bf16 hidden states";
-  if (hopper_path (p, MOE_CUDA_FUSED) == PATH_TMA)
-    return run_grouped_tma<B, false> (p, w, s, (const void *) grouped_gemm_tma<B, MODE_GATE_UP, false, true>,
-                                      (const void *) grouped_gemm_tma<B, MODE_DOWN, false>, true);
-  /* 8-byte aligned rows: the cp.async kernels gather in their prologue too */
-  return run_grouped_wgmma_aot<B, false> (p, w, s);
+  if (hopper_path (p, MOE_CUDA_FUSED) == PATH_OTHER)
+    return "the fused schedule runs on Hopper (sm_90a) only";
+  return run_grouped_wgmma_aot<__nv_bfloat16, false> (p, w, s);
 }
 
 /* deepgemm: the grouped schedule on the Hopper tensor cores, with the

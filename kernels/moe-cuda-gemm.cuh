@@ -901,11 +901,7 @@ tma_load (void *dst, const CUtensorMap *map, uint64_t *bar, int k, int row)
 #endif
 }
 
-/* GATHER (gate_up, bf16/f16): the producer warpgroup gathers the A rows
- * from x by token itself with cp.async (no gathered copy of x in memory),
- * each thread releasing a stage once its own copies of it have landed;
- * ta is then unused. */
-template <typename T, int MODE, bool FP8, int KC, int BN, bool GATHER = false>
+template <typename T, int MODE, bool FP8, int KC, int BN>
 __device__ __forceinline__ void
 tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p, const Route &r,
           const float *a_scale, void *dst, int n_tiles)
@@ -915,12 +911,8 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   constexpr int ES = sizeof (TOp), BK = WG_ROW_BYTES / ES;
   constexpr int STAGES = TmaTile<BN>::STAGES, STAGE_BYTES = TmaTile<BN>::STAGE_BYTES;
   static_assert (!FP8 || BN == 128, "FP8 tiles are 128 columns wide");
-  static_assert (!GATHER || (!FP8 && MODE == MODE_GATE_UP), "the gathering producer feeds bf16/f16 gate_up");
-  constexpr int LAG = STAGES - 1;   /* GATHER: stages a producer thread keeps in flight */
-  static_assert (LAG >= 1, "a stage in flight");
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
-  __shared__ int a_row[GATHER ? TM_BM : 1];
   __shared__ float s_scale[FP8 ? STAGES : 1][TM_BM + BN];   /* FP8: rows', then columns' */
   __shared__ int b_row[BN];
   unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
@@ -936,73 +928,20 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
     {
       for (int s = 0; s < STAGES; s++)
         {
-          /* FP8: every producer lane writes scales and releases them
-           * itself; GATHER: every producer thread its copies, and the
-           * bulk copies' expected bytes one more arrival */
-          mbar_init (&full[s], FP8 ? 32 : GATHER ? 129 : 1);
+          /* FP8: every producer lane writes scales and releases them itself */
+          mbar_init (&full[s], FP8 ? 32 : 1);
           mbar_init (&empty[s], 256);
         }
       asm volatile ("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
   for (int c = threadIdx.x; c < BN; c += blockDim.x)
     b_row[c] = tile_weight_row<MODE> (p, BN, nt, c);
-  if (GATHER)
-    for (int i = threadIdx.x; i < TM_BM; i += blockDim.x)
-      a_row[i] = i < t.rows ? r.sorted_pair[t.row0 + i] / p.top_k : -1;
   __syncthreads ();
 
   auto stage_a = [&] (int stage) { return smem + stage * STAGE_BYTES; };
   auto stage_b = [&] (int stage) { return smem + stage * STAGE_BYTES + TM_BM * WG_ROW_BYTES; };
   const int wg = threadIdx.x / 128;
 
-  if (GATHER && wg == 0)
-    {
-      /* more registers for the copies' addresses than the bulk-copy
-       * producer needs; the consumers give up some (64.5K in all) */
-      asm volatile ("setmaxnreg.dec.sync.aligned.u32 56;\n");
-      const int ptid = threadIdx.x;
-      const unsigned char *x = (const unsigned char *) p.x;
-      const bool split = p.has_gate && !p.interleaved;
-      const int wrow0 = t.e * nw + (split ? nt * (BN / 2) : b_row[0] >= 0 ? b_row[0] : 0);
-      for (int kt = 0; kt < ktiles + LAG; kt++)
-        {
-          /* first release stage kt - LAG (this thread's copies of it have
-           * landed: order them before the tensor cores' reads): the
-           * consumers hand back stage kt - STAGES only once they have
-           * started on the stage after it */
-          if (kt >= LAG)
-            {
-              asm volatile ("cp.async.wait_group %0;\n" :: "n"(LAG - 1));
-              asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
-              mbar_arrive (&full[(kt - LAG) % STAGES]);
-            }
-          if (kt < ktiles)
-            {
-              const int s = kt % STAGES;
-              if (kt >= STAGES)
-                mbar_wait (&empty[s], ((kt / STAGES) + 1) & 1);
-              if (ptid == 0)
-                {
-                  mbar_expect_tx (&full[s], BN * WG_ROW_BYTES);
-                  if (split)
-                    {
-                      tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
-                      tma_load (stage_b (s) + (BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK, wrow0 + p.inter);
-                    }
-                  else
-                    tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
-                }
-              for (int c = ptid; c < TM_BM * 8; c += 128)
-                {
-                  int row = c / 8, ch = c % 8, k = kt * BK + ch * (16 / ES);
-                  bool ok = a_row[row] >= 0 && k < K;
-                  cp_async16 (stage_a (s) + swizzle128 (row, ch), ok ? x + ((size_t) a_row[row] * K + k) * ES : x, ok);
-                }
-            }
-          asm volatile ("cp.async.commit_group;\n");
-        }
-      return;
-    }
   if (wg == 0)
     {
       /* the producer: warp 0; lane 0 issues the copies */
@@ -1045,10 +984,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       return;
     }
 
-  if (GATHER)
-    asm volatile ("setmaxnreg.inc.sync.aligned.u32 224;\n");
-  else
-    asm volatile ("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  asm volatile ("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int cw = wg - 1, ctid = threadIdx.x - 128;
   const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
   float d[BN / 2];
