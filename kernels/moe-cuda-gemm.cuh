@@ -687,6 +687,46 @@ wgmma_m64n256 (float d[128], uint64_t da, uint64_t db)
 #endif
 }
 
+/* The wgmma accumulator layout (m64nN, per warpgroup): thread lane of the
+ * warp whose 16 rows start at row - lane / 4 holds, for each 8-column
+ * block j, columns 8j + 2(lane % 4) + {0, 1} of its row and of row + 8. */
+
+/* FP8: one 128-wide K block's products into the float accumulators, times
+ * the rows' activation scales and the columns' weight scales (sc: the
+ * tile's BM row scales, then its column scales). */
+template <int BM>
+__device__ __forceinline__ void
+promote_fp8 (float d[64], const float part[64], const float *sc, int row, int lane)
+{
+  const float sa0 = sc[row], sa1 = sc[row + 8];
+#pragma unroll
+  for (int j = 0; j < 16; j++)
+    {
+      int col = j * 8 + (lane % 4) * 2;
+      float b0 = sc[BM + col], b1 = sc[BM + col + 1];
+      d[4 * j] += part[4 * j] * (sa0 * b0);
+      d[4 * j + 1] += part[4 * j + 1] * (sa0 * b1);
+      d[4 * j + 2] += part[4 * j + 2] * (sa1 * b0);
+      d[4 * j + 3] += part[4 * j + 3] * (sa1 * b1);
+    }
+}
+
+/* A warpgroup's N-column accumulators into a float tile in shared memory. */
+template <int N>
+__device__ __forceinline__ void
+stage_accumulators (float *cs, int ldc, const float *d, int row, int lane)
+{
+#pragma unroll
+  for (int j = 0; j < N / 8; j++)
+    {
+      int col = j * 8 + (lane % 4) * 2;
+      cs[row * ldc + col] = d[4 * j];
+      cs[row * ldc + col + 1] = d[4 * j + 1];
+      cs[(row + 8) * ldc + col] = d[4 * j + 2];
+      cs[(row + 8) * ldc + col + 1] = d[4 * j + 3];
+    }
+}
+
 /* One CTA of the wgmma grouped GEMM. FP8: a_base holds e4m3 rows and
  * a_scale their scales, [rows, ⌈K/128⌉]; else a_base holds T rows. KC is
  * the inner size when known at compile time (just-in-time builds), or 0. */
@@ -781,19 +821,7 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
             wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
           asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          const float *sc = s_scale[kt % WG_STAGES];
-          const int r0 = wg * 64 + warp_in_wg * 16 + lane / 4;
-          const float sa0 = sc[r0], sa1 = sc[r0 + 8];
-#pragma unroll
-          for (int j = 0; j < WG_BN / 8; j++)
-            {
-              int col = j * 8 + (lane % 4) * 2;
-              float b0 = sc[WG_BM + col], b1 = sc[WG_BM + col + 1];
-              d[4 * j] += part[4 * j] * (sa0 * b0);
-              d[4 * j + 1] += part[4 * j + 1] * (sa0 * b1);
-              d[4 * j + 2] += part[4 * j + 2] * (sa1 * b0);
-              d[4 * j + 3] += part[4 * j + 3] * (sa1 * b1);
-            }
+          promote_fp8<WG_BM> (d, part, s_scale[kt % WG_STAGES], wg * 64 + warp_in_wg * 16 + lane / 4, lane);
         }
       else
         {
@@ -816,15 +844,7 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
   /* the m16n8 accumulator layout, once per n8 block, per warp of 16 rows */
   float *cs = (float *) smem;
   const int ldc = WG_BN + 4;
-#pragma unroll
-  for (int j = 0; j < WG_BN / 8; j++)
-    {
-      int row = wg * 64 + warp_in_wg * 16 + lane / 4, col = j * 8 + (lane % 4) * 2;
-      cs[row * ldc + col] = d[4 * j];
-      cs[row * ldc + col + 1] = d[4 * j + 1];
-      cs[(row + 8) * ldc + col] = d[4 * j + 2];
-      cs[(row + 8) * ldc + col + 1] = d[4 * j + 3];
-    }
+  stage_accumulators<WG_BN> (cs, ldc, d, wg * 64 + warp_in_wg * 16 + lane / 4, lane);
   __syncthreads ();
   tile_epilogue<T, MODE> (p, r, cs, ldc, WG_BM, WG_BN, nt, t, dst);
 #else
@@ -1007,19 +1027,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
             wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
           asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          const float *sc = s_scale[s];
-          const int r0 = cw * 64 + warp_in_wg * 16 + lane / 4;
-          const float sa0 = sc[r0], sa1 = sc[r0 + 8];
-#pragma unroll
-          for (int j = 0; j < BN / 8; j++)
-            {
-              int col = j * 8 + (lane % 4) * 2;
-              float b0 = sc[TM_BM + col], b1 = sc[TM_BM + col + 1];
-              d[4 * j] += part[4 * j] * (sa0 * b0);
-              d[4 * j + 1] += part[4 * j + 1] * (sa0 * b1);
-              d[4 * j + 2] += part[4 * j + 2] * (sa1 * b0);
-              d[4 * j + 3] += part[4 * j + 3] * (sa1 * b1);
-            }
+          promote_fp8<TM_BM> (d, part, s_scale[s], cw * 64 + warp_in_wg * 16 + lane / 4, lane);
           mbar_arrive (&empty[s]);
         }
       else
@@ -1042,15 +1050,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   asm volatile ("bar.sync 1, 256;\n" ::: "memory");
   float *cs = (float *) smem;
   const int ldc = BN + 4;
-#pragma unroll
-  for (int j = 0; j < BN / 8; j++)
-    {
-      int row = cw * 64 + warp_in_wg * 16 + lane / 4, col = j * 8 + (lane % 4) * 2;
-      cs[row * ldc + col] = d[4 * j];
-      cs[row * ldc + col + 1] = d[4 * j + 1];
-      cs[(row + 8) * ldc + col] = d[4 * j + 2];
-      cs[(row + 8) * ldc + col + 1] = d[4 * j + 3];
-    }
+  stage_accumulators<BN> (cs, ldc, d, cw * 64 + warp_in_wg * 16 + lane / 4, lane);
   asm volatile ("bar.sync 1, 256;\n" ::: "memory");
   tile_epilogue<T, MODE> (p, r, cs, ldc, TM_BM, BN, nt, t, dst, ctid, 256);
 #else
