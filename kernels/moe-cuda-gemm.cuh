@@ -221,6 +221,27 @@ dot_quantized (const MoeCudaExperts &p, int e, int row, const float *x, int lane
 /* The dynamic activation scheme: each row's 128-wide groups scaled by
  * amax / 448 (1 when all zero), rounded to e4m3 (nearest even, saturated)
  * and scaled back, as float. One block a row, one warp a group. */
+/* One warp's 128-wide group of a row, four values a lane (input
+ * g + 4·lane + j, zero past K), and its dynamic e4m3 scale: amax / 448,
+ * or 1 when the group is all zero. */
+template <typename T>
+__device__ __forceinline__ float
+load_group_fp8 (const T *row, int g, int K, int lane, float v[4])
+{
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; j++)
+    {
+      int k = g + lane * 4 + j;
+      v[j] = k < K ? to_f (row[k]) : 0.0f;
+      amax = fmaxf (amax, fabsf (v[j]));
+    }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2)
+    amax = fmaxf (amax, __shfl_xor_sync (0xffffffffu, amax, o));
+  return amax > 0.0f ? amax / 448.0f : 1.0f;
+}
+
 template <typename T>
 __global__ void __launch_bounds__ (256)
 quantize_activations (const T *in, int K, float *out)
@@ -230,27 +251,13 @@ quantize_activations (const T *in, int K, float *out)
 
   for (int g = warp * 128; g < K; g += 8 * 128)
     {
-      float v[4], amax = 0.0f;
+      float v[4], s = load_group_fp8 (in + row * K, g, K, lane, v);
 #pragma unroll
       for (int j = 0; j < 4; j++)
         {
-          int k = g + lane + 32 * j;
-          v[j] = k < K ? to_f (in[row * K + k]) : 0.0f;
-          amax = fmaxf (amax, fabsf (v[j]));
-        }
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2)
-        amax = fmaxf (amax, __shfl_xor_sync (0xffffffffu, amax, o));
-      float s = amax > 0.0f ? amax / 448.0f : 1.0f;
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-        {
-          int k = g + lane + 32 * j;
+          int k = g + lane * 4 + j;
           if (k < K)
-            {
-              __nv_fp8_storage_t q = __nv_cvt_float_to_fp8 (v[j] / s, __NV_SATFINITE, __NV_E4M3);
-              out[row * K + k] = e4m3_to_f (q) * s;
-            }
+            out[row * K + k] = e4m3_to_f (__nv_cvt_float_to_fp8 (v[j] / s, __NV_SATFINITE, __NV_E4M3)) * s;
         }
     }
 }
@@ -1096,18 +1103,7 @@ quantize_fp8 (const T *in, int K, unsigned char *q, float *scale, bool gather = 
     }
   for (int g = warp * 128; g < K; g += 8 * 128)
     {
-      float v[4], amax = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-        {
-          int k = g + lane * 4 + j;
-          v[j] = k < K ? to_f (in[src * K + k]) : 0.0f;
-          amax = fmaxf (amax, fabsf (v[j]));
-        }
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2)
-        amax = fmaxf (amax, __shfl_xor_sync (0xffffffffu, amax, o));
-      float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+      float v[4], s = load_group_fp8 (in + src * K, g, K, lane, v);
 #pragma unroll
       for (int j = 0; j < 4; j++)
         {

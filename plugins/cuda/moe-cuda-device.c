@@ -321,13 +321,7 @@ deepgemm_supported (MoeCudaDevice  *self,
                      "kernels are not built yet: use grouped_mm");
       return FALSE;
     }
-  if (wd != MOE_DTYPE_BF16 && wd != MOE_DTYPE_F8E4M3)
-    {
-      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
-                   "deepgemm runs bf16 experts or FP8 (e4m3, 128×128 block scales) experts, not %s",
-                   moe_dtype_get_name (wd));
-      return FALSE;
-    }
+  /* the backend itself refuses other weight dtypes */
   return wgmma_shapes_supported (experts, "deepgemm", 8, error);
 }
 
@@ -336,8 +330,6 @@ fused_supported (MoeCudaDevice  *self,
                  MoeExperts     *experts,
                  GError        **error)
 {
-  MoeDType wd = moe_tensor_get_dtype (moe_experts_get_up_weight (experts));
-
   if (self->cc_major != 9)
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
@@ -345,12 +337,7 @@ fused_supported (MoeCudaDevice  *self,
                    "SM%d%d (%s)", self->cc_major, self->cc_minor, self->gpu_name);
       return FALSE;
     }
-  if (wd != MOE_DTYPE_BF16)
-    {
-      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
-                   "sonicmoe runs bf16 experts; these are %s", moe_dtype_get_name (wd));
-      return FALSE;
-    }
+  /* the backend itself checks gating, activation and dtype (bf16) */
   return wgmma_shapes_supported (experts, "sonicmoe", 8, error);
 }
 
