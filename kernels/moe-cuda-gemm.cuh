@@ -2,7 +2,8 @@
  * types, what one expert computes, quantized weights, the routing and the
  * grouped GEMM kernels (mma.sync, and Hopper wgmma for bf16/f16 and FP8).
  *
- * Self-contained on top of moe-cuda-experts.h and CUDA's headers: it is
+ * Self-contained on top of moe-cuda-experts.h, moe-cuda-elements.cuh and
+ * CUDA's headers: it is
  * compiled ahead of time into kernels/moe-cuda-experts.cu, and just in time
  * (specialised to the shapes) by the deepgemm schedule, which embeds this
  * text in the cuda plugin.
@@ -17,44 +18,11 @@
 #include <cuda_fp8.h>
 #include <type_traits>
 
+#ifndef MOE_JIT   /* the deepgemm source puts the two headers before it */
+# include "moe-cuda-elements.cuh"
+#endif
+
 namespace {
-
-/* ---- element types ---------------------------------------------------- */
-
-__device__ __forceinline__ float to_f (float v) { return v; }
-__device__ __forceinline__ float to_f (__nv_bfloat16 v) { return __bfloat162float (v); }
-__device__ __forceinline__ float to_f (__half v) { return __half2float (v); }
-
-template <typename T> __device__ __forceinline__ T from_f (float v);
-template <> __device__ __forceinline__ float from_f<float> (float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16> (float v) { return __float2bfloat16_rn (v); }
-template <> __device__ __forceinline__ __half from_f<__half> (float v) { return __float2half_rn (v); }
-
-template <typename T> __device__ __forceinline__ float rnd (float v) { return to_f (from_f<T> (v)); }
-
-__device__ __forceinline__ float
-load_any (const void *p, int dtype, size_t i)
-{
-  switch (dtype)
-    {
-    case MOE_CUDA_BF16: return __bfloat162float (((const __nv_bfloat16 *) p)[i]);
-    case MOE_CUDA_F16: return __half2float (((const __half *) p)[i]);
-    default: return ((const float *) p)[i];
-    }
-}
-
-__device__ __forceinline__ float
-activate (int act, float v)
-{
-  switch (act)
-    {
-    case MOE_CUDA_ACT_SILU: return v / (1.0f + expf (-v));
-    case MOE_CUDA_ACT_GELU: return 0.5f * v * (1.0f + erff (v * 0.70710678118654752f));
-    case MOE_CUDA_ACT_GELU_TANH:
-      return 0.5f * v * (1.0f + tanhf (0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    default: return v > 0.0f ? v : 0.0f;
-    }
-}
 
 /* ---- what one expert computes, one output at a time -------------------- */
 

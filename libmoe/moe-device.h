@@ -32,6 +32,13 @@ G_DECLARE_DERIVABLE_TYPE (MoeDevice, moe_device, MOE, DEVICE, GObject)
  * @run_experts: run @experts on already-validated inputs living on the
  *   device (see [vfunc@ExpertsBackend.forward]); the result stays on the
  *   device and may still be computing when this returns
+ * @decoder_new: make the device's state for running a whole model's
+ *   decoder stack, @model being libmoe's internal description of it
+ *   (`moe-transformer-private.h`: for devices built with libmoe)
+ * @decoder_free: free what @decoder_new returned
+ * @decoder_forward: run one step of the decoder (an internal
+ *   `MoeDecoderStep`), its KV cache kept by the device in @step
+ * @decoder_cache_free: free a KV cache that @decoder_forward made
  *
  * The virtual methods a device implements. The CPU device lives in the core;
  * other devices come from plugins.
@@ -68,9 +75,20 @@ struct _MoeDeviceClass
                               MoeTensor          *top_k_index,
                               MoeTensor          *top_k_weights,
                               GError            **error);
+  gpointer (*decoder_new)    (MoeDevice          *self,
+                              gconstpointer       model,
+                              GError            **error);
+  void     (*decoder_free)   (MoeDevice          *self,
+                              gpointer            decoder);
+  gboolean (*decoder_forward) (MoeDevice         *self,
+                               gpointer           decoder,
+                               gpointer           step,
+                               GError           **error);
+  void     (*decoder_cache_free) (MoeDevice      *self,
+                                  gpointer        cache);
 
   /*< private >*/
-  gpointer _reserved[6];
+  gpointer _reserved[2];
 };
 
 MOE_AVAILABLE_IN_ALL

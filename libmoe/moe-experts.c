@@ -353,6 +353,74 @@ moe_experts_new (MoeTensor *up_weight,
                        NULL);
 }
 
+/**
+ * moe_experts_to_device:
+ * @self: experts
+ * @device: a device name, such as "cuda"
+ * @error: return location for a #GError
+ *
+ * A copy of @self whose weights, biases and scales live on @device and
+ * whose [property@Experts:device] is @device, as torch's `module.to()`.
+ * Every other property is copied as it is.
+ *
+ * Returns: (transfer full): the copy, or %NULL with @error set (no such
+ *   device, or out of device memory)
+ */
+MoeExperts *
+moe_experts_to_device (MoeExperts  *self,
+                       const char  *device,
+                       GError     **error)
+{
+  g_autofree GParamSpec **specs = NULL;
+  g_autoptr(GArray) values = g_array_new (FALSE, TRUE, sizeof (GValue));
+  g_autoptr(GPtrArray) names = g_ptr_array_new ();
+  MoeDevice *dev;
+  guint n;
+
+  g_return_val_if_fail (MOE_IS_EXPERTS (self), NULL);
+  g_return_val_if_fail (device != NULL, NULL);
+
+  dev = moe_device_get_for_name (device, error);
+  if (dev == NULL)
+    return NULL;
+  g_array_set_clear_func (values, (GDestroyNotify) g_value_unset);
+
+  /* every writable property, tensors moved: one list, so that a property
+   * added later is copied too */
+  specs = g_object_class_list_properties (G_OBJECT_GET_CLASS (self), &n);
+  for (guint i = 0; i < n; i++)
+    {
+      GValue v = G_VALUE_INIT;
+
+      if (!(specs[i]->flags & G_PARAM_WRITABLE) || g_str_equal (specs[i]->name, "device"))
+        continue;
+      g_value_init (&v, specs[i]->value_type);
+      g_object_get_property (G_OBJECT (self), specs[i]->name, &v);
+      if (specs[i]->value_type == MOE_TYPE_TENSOR && g_value_get_object (&v) != NULL)
+        {
+          MoeTensor *moved = moe_tensor_to_device (g_value_get_object (&v), dev, error);
+          if (moved == NULL)
+            {
+              g_value_unset (&v);
+              return NULL;
+            }
+          g_value_take_object (&v, moved);
+        }
+      g_ptr_array_add (names, (gpointer) specs[i]->name);
+      g_array_append_val (values, v);
+    }
+  g_ptr_array_add (names, (gpointer) "device");
+  {
+    GValue v = G_VALUE_INIT;
+    g_value_init (&v, G_TYPE_STRING);
+    g_value_set_string (&v, device);
+    g_array_append_val (values, v);
+  }
+  return MOE_EXPERTS (g_object_new_with_properties (MOE_TYPE_EXPERTS, names->len,
+                                                    (const char **) names->pdata,
+                                                    (const GValue *) values->data));
+}
+
 #define DEFINE_TENSOR_ACCESSORS(field, prop)                                   \
   MoeTensor *moe_experts_get_##field (MoeExperts *self)                        \
   {                                                                            \

@@ -32,6 +32,10 @@ MoeTensor     *moe_experts_forward               (MoeExperts   *self,
 MOE_AVAILABLE_IN_ALL
 gboolean       moe_experts_validate              (MoeExperts   *self,
                                                   GError      **error);
+MOE_AVAILABLE_IN_ALL
+MoeExperts    *moe_experts_to_device             (MoeExperts   *self,
+                                                  const char   *device,
+                                                  GError      **error);
 
 MOE_AVAILABLE_IN_ALL
 MoeTensor     *moe_experts_get_up_weight         (MoeExperts   *self);

@@ -640,6 +640,7 @@ load (const char *path, MoeLoadOptions *options, GCancellable *cancellable, GErr
   g_autofree char *config_path = NULL, *gen_path = NULL;
   g_auto(GStrv) subs = NULL;
   const char *device, *single;
+  MoeDevice *dev;
 
   if (options == NULL)
     options = defaults = moe_load_options_new ();
@@ -649,15 +650,9 @@ load (const char *path, MoeLoadOptions *options, GCancellable *cancellable, GErr
   self->decode_switch = moe_load_options_get_decode_switch (options);
 
   device = moe_load_options_get_device (options);
-  if (!g_str_equal (device, "cpu"))
-    {
-      MoeDevice *dev = moe_device_get_for_name (device, error);
-      if (dev == NULL)
-        return NULL;
-      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
-                   "Whole models run on the CPU only so far; device “%s” can run experts layers", device);
-      return NULL;
-    }
+  dev = moe_device_get_for_name (device, error);
+  if (dev == NULL)
+    return NULL;
   self->device = g_strdup (device);
 
   if (!g_file_test (path, G_FILE_TEST_IS_DIR))
@@ -706,7 +701,7 @@ load (const char *path, MoeLoadOptions *options, GCancellable *cancellable, GErr
   if (g_cancellable_set_error_if_cancelled (cancellable, error))
     return NULL;
   self->transformer = _moe_transformer_new (self->config, self->checkpoint, self->dtype,
-                                            moe_load_options_get_dequantize (options), cancellable, error);
+                                            moe_load_options_get_dequantize (options), dev, cancellable, error);
   if (self->transformer == NULL)
     return NULL;
 

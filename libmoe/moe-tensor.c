@@ -540,18 +540,22 @@ moe_tensor_to_device (MoeTensor  *self,
   if (device == self->device)
     return g_object_ref (self);
 
-  host = moe_tensor_dup_bytes (self, error);
-  if (host == NULL)
-    return NULL;
-  if (moe_device_is_cpu (device))
-    return moe_tensor_new_from_bytes (self->dtype, self->shape, self->n_dims, host, error);
+  if (!moe_device_is_cpu (self->device) || moe_device_is_cpu (device))
+    {
+      host = moe_tensor_dup_bytes (self, error);
+      if (host == NULL)
+        return NULL;
+      if (moe_device_is_cpu (device))
+        return moe_tensor_new_from_bytes (self->dtype, self->shape, self->n_dims, host, error);
+    }
 
   out = moe_tensor_new_empty (device, self->dtype, self->shape, self->n_dims, error);
   if (out == NULL)
     return NULL;
+  /* from host memory (a mapped checkpoint, say) straight to the device */
   if (!MOE_DEVICE_GET_CLASS (device)->copy_from_host (device, out->device_data,
-                                                      g_bytes_get_data (host, NULL),
-                                                      g_bytes_get_size (host), error))
+                                                      host ? g_bytes_get_data (host, NULL) : moe_tensor_get_data (self),
+                                                      moe_tensor_get_n_bytes (self), error))
     return NULL;
   return g_steal_pointer (&out);
 }

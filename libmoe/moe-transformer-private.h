@@ -11,10 +11,124 @@ G_BEGIN_DECLS
 typedef struct _MoeTransformer MoeTransformer;
 typedef struct _MoeKvCache MoeKvCache;
 
+/* The decoder's description is shared with the devices built with libmoe
+ * (plugins/cuda), which run the same stack with their own kernels: the
+ * weights below are the host copies (norms and routers as float32, linears
+ * in the model dtype); the experts already live on the device. */
+typedef enum {
+  FAMILY_QWEN2_MOE,
+  FAMILY_QWEN3_MOE,
+  FAMILY_QWEN3_VL_MOE,
+  FAMILY_MIXTRAL,
+  FAMILY_OLMOE,
+  FAMILY_DEEPSEEK_V3,
+  FAMILY_GPT_OSS,
+} Family;
+
+
+typedef enum {
+  ROUTER_SOFTMAX_TOPK,     /* Qwen, Mixtral, OLMoE: softmax over E, top-k, optional renorm */
+  ROUTER_SIGMOID_GROUPED,  /* DeepSeek-V3: sigmoid, biased group-limited choice */
+  ROUTER_TOPK_SOFTMAX,     /* GPT-OSS: biased logits, top-k, softmax over the k */
+} RouterKind;
+
+typedef enum {
+  QK_NORM_NONE,
+  QK_NORM_PER_HEAD,        /* Qwen3: RMSNorm over head_dim */
+  QK_NORM_FULL,            /* OLMoE: RMSNorm over the whole projection */
+} QkNorm;
+
+typedef struct {
+  MoeTensor *weight;       /* [out, in], model dtype; or FP8/FP4 with @scale */
+  MoeTensor *bias;         /* [out] or NULL */
+  MoeTensor *scale;        /* the checkpoint's weight_scale_inv, or NULL */
+} Linear;
+
+typedef struct {
+  /* attention */
+  float      *input_norm;
+  float      *post_norm;
+  Linear      q, k, v, o;
+  float      *q_norm, *k_norm;
+  Linear      q_a, q_b, kv_a, kv_b;       /* MLA */
+  float      *q_a_norm, *kv_a_norm;
+  float      *sinks;                      /* [heads] or NULL */
+  guint       window;                     /* sliding window, 0 = full */
+  /* feed-forward */
+  gboolean    is_moe;
+  Linear      gate, up, down;             /* dense MLP, or the shared expert */
+  Linear      shared_gate;                /* Qwen2-MoE: sigmoid gate of the shared expert */
+  float      *router;                     /* [E, H] float32 */
+  float      *router_bias;                /* [E] or NULL */
+  float      *score_bias;                 /* DeepSeek e_score_correction_bias [E] */
+  MoeExperts *experts;
+} Layer;
+
+struct _MoeTransformer
+{
+  Family      family;
+  char       *experts_key;
+  MoeDType    dtype;
+  guint       hidden, layers, heads, kv_heads, head_dim, v_head_dim, vocab;
+  guint       rope_dim;                   /* rotated dims per head */
+  guint       nope_dim;                   /* MLA: dims per head without RoPE */
+  guint       q_lora, kv_lora;
+  float       eps;
+  float       scaling;                    /* attention score scale */
+  float      *inv_freq;                   /* [rope_dim / 2] */
+  float       rope_scale;                 /* YaRN's attention factor on cos/sin */
+  gboolean    rope_interleaved;           /* DeepSeek: rotate (x0, x1), (x2, x3)… */
+  QkNorm      qk_norm;
+  gboolean    eager_attention;            /* rounds scores and probabilities (GPT-OSS has no SDPA path) */
+  double      clip_qkv;
+  RouterKind  router_kind;
+  guint       num_experts, top_k;
+  gboolean    norm_topk;
+  gboolean    weights_in_act_dtype;       /* Qwen/OLMoE cast routing weights to the logits dtype */
+  double      routed_scale;
+  guint       n_group, topk_group;
+  gboolean    shared_gated;               /* Qwen2-MoE */
+  gboolean    has_shared;
+  char       *act;
+  MoeCpuActivation act_fn;
+  MoeTensor  *embed;                      /* [V, H] */
+  float      *final_norm;
+  MoeTensor  *lm_head;                    /* [V, H] */
+  Layer      *layer;
+  GPtrArray  *all_experts;
+  MoeDevice  *device;                     /* where it runs: the CPU, or a device's decoder */
+  gpointer    device_decoder;             /* the device's state (MoeDeviceClass.decoder_new) */
+};
+
+struct _MoeKvCache
+{
+  MoeTransformer *model;
+  guint           batch;
+  guint           length;
+  guint           capacity;
+  float         **k;                      /* per layer [capacity][B][kv_heads][dk] */
+  float         **v;                      /* per layer [capacity][B][kv_heads][dv] */
+  gpointer        device_cache;           /* on a device: its own, made by decoder_forward */
+};
+
+/* One forward step as MoeDeviceClass.decoder_forward gets it: all host
+ * memory; the device keeps its KV cache in cache->device_cache and leaves
+ * cache->length (the past) for the caller to advance. */
+typedef struct {
+  MoeKvCache   *cache;
+  const gint64 *ids;           /* [B, T] */
+  guint         batch, n_tokens;
+  const gint64 *positions;     /* [B, T] */
+  const guint8 *key_valid;     /* [B, past + T] or NULL */
+  gboolean      last_only;
+  float        *logits;        /* [B, T, V], or [B, V] when last_only */
+} MoeDecoderStep;
+
 MoeTransformer *_moe_transformer_new          (MoeConfig      *config,
                                                MoeCheckpoint  *checkpoint,
                                                MoeDType        dtype,
                                                gboolean        dequantize,
+                                               MoeDevice      *device,
                                                GCancellable   *cancellable,
                                                GError        **error);
 void            _moe_transformer_free         (MoeTransformer *self);

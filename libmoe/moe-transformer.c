@@ -18,16 +18,6 @@
 #include "moe-transformer-private.h"
 #include "moe-cpu-kernels.h"
 
-typedef enum {
-  FAMILY_QWEN2_MOE,
-  FAMILY_QWEN3_MOE,
-  FAMILY_QWEN3_VL_MOE,
-  FAMILY_MIXTRAL,
-  FAMILY_OLMOE,
-  FAMILY_DEEPSEEK_V3,
-  FAMILY_GPT_OSS,
-} Family;
-
 static const struct { const char *model_type; Family family; } families[] = {
   { "qwen2_moe", FAMILY_QWEN2_MOE },
   { "qwen3_moe", FAMILY_QWEN3_MOE },
@@ -36,88 +26,6 @@ static const struct { const char *model_type; Family family; } families[] = {
   { "olmoe", FAMILY_OLMOE },
   { "deepseek_v3", FAMILY_DEEPSEEK_V3 },
   { "gpt_oss", FAMILY_GPT_OSS },
-};
-
-typedef enum {
-  ROUTER_SOFTMAX_TOPK,     /* Qwen, Mixtral, OLMoE: softmax over E, top-k, optional renorm */
-  ROUTER_SIGMOID_GROUPED,  /* DeepSeek-V3: sigmoid, biased group-limited choice */
-  ROUTER_TOPK_SOFTMAX,     /* GPT-OSS: biased logits, top-k, softmax over the k */
-} RouterKind;
-
-typedef enum {
-  QK_NORM_NONE,
-  QK_NORM_PER_HEAD,        /* Qwen3: RMSNorm over head_dim */
-  QK_NORM_FULL,            /* OLMoE: RMSNorm over the whole projection */
-} QkNorm;
-
-typedef struct {
-  MoeTensor *weight;       /* [out, in], model dtype; or FP8/FP4 with @scale */
-  MoeTensor *bias;         /* [out] or NULL */
-  MoeTensor *scale;        /* the checkpoint's weight_scale_inv, or NULL */
-} Linear;
-
-typedef struct {
-  /* attention */
-  float      *input_norm;
-  float      *post_norm;
-  Linear      q, k, v, o;
-  float      *q_norm, *k_norm;
-  Linear      q_a, q_b, kv_a, kv_b;       /* MLA */
-  float      *q_a_norm, *kv_a_norm;
-  float      *sinks;                      /* [heads] or NULL */
-  guint       window;                     /* sliding window, 0 = full */
-  /* feed-forward */
-  gboolean    is_moe;
-  Linear      gate, up, down;             /* dense MLP, or the shared expert */
-  Linear      shared_gate;                /* Qwen2-MoE: sigmoid gate of the shared expert */
-  float      *router;                     /* [E, H] float32 */
-  float      *router_bias;                /* [E] or NULL */
-  float      *score_bias;                 /* DeepSeek e_score_correction_bias [E] */
-  MoeExperts *experts;
-} Layer;
-
-struct _MoeTransformer
-{
-  Family      family;
-  char       *experts_key;
-  MoeDType    dtype;
-  guint       hidden, layers, heads, kv_heads, head_dim, v_head_dim, vocab;
-  guint       rope_dim;                   /* rotated dims per head */
-  guint       nope_dim;                   /* MLA: dims per head without RoPE */
-  guint       q_lora, kv_lora;
-  float       eps;
-  float       scaling;                    /* attention score scale */
-  float      *inv_freq;                   /* [rope_dim / 2] */
-  float       rope_scale;                 /* YaRN's attention factor on cos/sin */
-  gboolean    rope_interleaved;           /* DeepSeek: rotate (x0, x1), (x2, x3)… */
-  QkNorm      qk_norm;
-  gboolean    eager_attention;            /* rounds scores and probabilities (GPT-OSS has no SDPA path) */
-  double      clip_qkv;
-  RouterKind  router_kind;
-  guint       num_experts, top_k;
-  gboolean    norm_topk;
-  gboolean    weights_in_act_dtype;       /* Qwen/OLMoE cast routing weights to the logits dtype */
-  double      routed_scale;
-  guint       n_group, topk_group;
-  gboolean    shared_gated;               /* Qwen2-MoE */
-  gboolean    has_shared;
-  char       *act;
-  MoeCpuActivation act_fn;
-  MoeTensor  *embed;                      /* [V, H] */
-  float      *final_norm;
-  MoeTensor  *lm_head;                    /* [V, H] */
-  Layer      *layer;
-  GPtrArray  *all_experts;
-};
-
-struct _MoeKvCache
-{
-  MoeTransformer *model;
-  guint           batch;
-  guint           length;
-  guint           capacity;
-  float         **k;                      /* per layer [capacity][B][kv_heads][dk] */
-  float         **v;                      /* per layer [capacity][B][kv_heads][dv] */
 };
 
 /* ------------------------------------------------------------------ */
@@ -130,6 +38,7 @@ typedef struct {
   GError       **error;
   gboolean       quantized;   /* config.json has a quantization_config */
   gboolean       dequantize;  /* multiply quantized weights out at load */
+  MoeDevice     *device;      /* where the experts go (the rest stays on the host for the device to copy) */
 } Loader;
 
 static MoeTensor *
@@ -631,6 +540,14 @@ load_layer (MoeTransformer *self, MoeConfig *c, Loader *l, guint i, gboolean spa
                        moe_checkpoint_get_path (l->ck), i, moe_experts_get_hidden_size (L->experts), H);
         return FALSE;
       }
+    if (!moe_device_is_cpu (l->device))
+      {
+        MoeExperts *moved = moe_experts_to_device (L->experts, moe_device_get_name (l->device), error);
+        if (moved == NULL)
+          return FALSE;
+        g_object_unref (L->experts);
+        L->experts = moved;
+      }
     g_ptr_array_add (self->all_experts, g_object_ref (L->experts));
 
     if (self->has_shared)
@@ -703,6 +620,7 @@ _moe_transformer_new (MoeConfig      *top,
                       MoeCheckpoint  *ck,
                       MoeDType        dtype,
                       gboolean        dequantize,
+                      MoeDevice      *device,
                       GCancellable   *cancellable,
                       GError        **error)
 {
@@ -711,7 +629,7 @@ _moe_transformer_new (MoeConfig      *top,
   g_autoptr(GArray) mlp_only = NULL;
   const char *model_type = moe_config_get_model_type (top);
   MoeConfig *c = top;
-  Loader l = { ck, dtype, "model.", &local, FALSE, dequantize };
+  Loader l = { ck, dtype, "model.", &local, FALSE, dequantize, device ? device : moe_device_get_cpu () };
   gint64 v, dense_inter = 0, moe_inter = 0, shared_inter = 0, sparse_step = 1, first_dense = 0;
   static const char *experts_keys[] = { "num_experts", "num_local_experts", "n_routed_experts", NULL };
   static const char *topk_keys[] = { "num_experts_per_tok", "experts_per_token", NULL };
@@ -719,6 +637,7 @@ _moe_transformer_new (MoeConfig      *top,
 
   self->all_experts = g_ptr_array_new_with_free_func (g_object_unref);
   self->dtype = dtype;
+  self->device = l.device;
 
   for (guint i = 0; model_type && i < G_N_ELEMENTS (families); i++)
     if (g_str_equal (model_type, families[i].model_type))
@@ -944,6 +863,19 @@ _moe_transformer_new (MoeConfig      *top,
       if (local != NULL)
         goto fail_local;
     }
+  if (!moe_device_is_cpu (self->device))
+    {
+      MoeDeviceClass *klass = MOE_DEVICE_GET_CLASS (self->device);
+      if (klass->decoder_new == NULL)
+        {
+          g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                       "Device “%s” runs experts layers but not whole models", moe_device_get_name (self->device));
+          goto fail;
+        }
+      self->device_decoder = klass->decoder_new (self->device, self, error);
+      if (self->device_decoder == NULL)
+        goto fail;
+    }
   return self;
 
 fail_local:
@@ -958,6 +890,8 @@ _moe_transformer_free (MoeTransformer *self)
 {
   if (self == NULL)
     return;
+  if (self->device_decoder != NULL)
+    MOE_DEVICE_GET_CLASS (self->device)->decoder_free (self->device, self->device_decoder);
   for (guint i = 0; self->layer != NULL && i < self->layers; i++)
     {
       Layer *L = &self->layer[i];
@@ -1033,6 +967,8 @@ _moe_kv_cache_free (MoeKvCache *cache)
 {
   if (cache == NULL)
     return;
+  if (cache->device_cache != NULL)
+    MOE_DEVICE_GET_CLASS (cache->model->device)->decoder_cache_free (cache->model->device, cache->device_cache);
   for (guint i = 0; i < cache->model->layers; i++)
     {
       g_free (cache->k[i]);
@@ -1552,6 +1488,16 @@ _moe_transformer_forward (MoeTransformer *m,
                      "; token ids must be in 0…%u", r / n_tokens, r % n_tokens, ids[r], m->vocab - 1);
         return FALSE;
       }
+
+  if (m->device_decoder != NULL)
+    {
+      MoeDecoderStep step = { cache, ids, batch, n_tokens, positions, key_valid, last_only, logits };
+      if (!MOE_DEVICE_GET_CLASS (m->device)->decoder_forward (m->device, m->device_decoder, &step, error))
+        return FALSE;
+      cache->length += n_tokens;
+      return TRUE;
+    }
+
   if (!kv_cache_reserve (cache, cache->length + n_tokens, error))
     return FALSE;
 

@@ -1,7 +1,7 @@
 #!/bin/sh
 # gpu-bundle.sh: build libmoe with CUDA (in _build-gpu) and pack what the GPU
 # machine needs into _gpu/bundle.tar.xz: libmoe, the plugins, the GPU tests,
-# the CPU experts test, the benchmark and the moe CLI, plus every shared
+# the CPU experts test, the benchmarks and the moe CLI, plus every shared
 # library they link that the GPU machine lacks (GLib, GObject, GIO, GModule,
 # json-glib, OpenBLAS and theirs; not libc, the C++ runtime or CUDA's, which
 # it has). tools/gpu-run.sh unpacks and runs it there:
@@ -26,8 +26,8 @@ cp -L "$build/libmoe/libmoe-1.so.0" "$stage/lib/"
 for p in eager batched_mm grouped_mm deepgemm sonicmoe deepgemm_megamoe cuda; do
   cp "$build/plugins/$p/libmoe-$p.so" "$build/plugins/$p/$p.plugin" "$stage/plugins/"
 done
-cp "$build/tests/gpu/test-cuda-experts" "$build/tests/c/test-experts" \
-   "$build/tools/moe-bench-cuda-experts" "$build/cli/moe" "$stage/bin/"
+cp "$build/tests/gpu/test-cuda-experts" "$build/tests/gpu/test-cuda-model" "$build/tests/c/test-experts" \
+   "$build/tools/moe-bench-cuda-experts" "$build/tools/moe-bench-model" "$build/cli/moe" "$stage/bin/"
 
 for f in "$stage"/lib/* "$stage"/plugins/*.so "$stage"/bin/*; do ldd "$f"; done |
   awk '/=> \// { print $3 }' | sort -u |

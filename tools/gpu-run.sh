@@ -7,6 +7,9 @@
 #                                   test gives them; prints "N passed, N failed,
 #                                   N skipped" and exits non-zero on a failure
 #   tools/gpu-run.sh bench [ARGS]   tools/bench-experts-cuda.py ARGS
+#   tools/gpu-run.sh model-bench [ARGS]
+#                                   tools/bench-model-cuda.py ARGS (a whole
+#                                   model, beside transformers)
 #   tools/gpu-run.sh sanitize TOOL [-p TESTPATH ...]
 #                                   the gpu suite under compute-sanitizer
 #                                   --tool TOOL (memcheck, racecheck, …)
@@ -30,7 +33,7 @@ what=${1:-test}
 case "$what" in
   test)
     passed=0 failed=0 skipped=0
-    for t in test-cuda-experts test-experts; do
+    for t in test-cuda-experts test-cuda-model test-experts; do
       "$root/bin/$t" --tap > "/tmp/$t.log" 2>&1
       rc=$?
       grep -E '^(not )?ok ' "/tmp/$t.log" | grep -v '^ok ' || true
@@ -58,6 +61,9 @@ case "$what" in
   bench)
     PYTHONUNBUFFERED=1 exec python3 tools/bench-experts-cuda.py --libmoe-bench "$root/bin/moe-bench-cuda-experts" "$@"
     ;;
+  model-bench)
+    PYTHONUNBUFFERED=1 exec python3 tools/bench-model-cuda.py --libmoe-bench "$root/bin/moe-bench-model" "$@"
+    ;;
   *)
-    echo "usage: $0 test | bench [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | model-bench [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac

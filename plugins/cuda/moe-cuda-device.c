@@ -18,37 +18,7 @@
 
 #include "moe-cuda-experts.h"
 
-#define MOE_TYPE_CUDA_DEVICE (moe_cuda_device_get_type ())
-G_DECLARE_FINAL_TYPE (MoeCudaDevice, moe_cuda_device, MOE, CUDA_DEVICE, MoeDevice)
-
-struct _MoeCudaDevice
-{
-  MoeDevice       parent_instance;
-
-  cudaStream_t    stream;
-  cublasHandle_t  cublas;
-  char           *init_error;    /* why the stream or cuBLAS could not be made */
-
-  /* the experts kernels check the ids on the device and report the first
-   * bad one here (mapped host memory), read at the next synchronization */
-  volatile long long *bad_id;    /* {t * K + k + 1, id}, or {0, …} */
-  long long      *bad_id_device;
-  int             bad_id_experts, bad_id_top_k;   /* of the latest forward */
-
-  GMutex          lock;          /* the allocator's tables, the cuBLAS handle, bad_id */
-  GHashTable     *in_use;        /* device pointer -> its size class */
-  GHashTable     *free_blocks;   /* size class -> GSList of device pointers */
-
-  int             cc_major, cc_minor;   /* compute capability */
-  char           *gpu_name;
-
-  /* deepgemm: the toolkit its kernels are compiled with (found on the
-   * first forward that needs it) and the kernels compiled so far */
-  GMutex          jit_lock;
-  MoeCudaToolkit  toolkit;
-  gboolean        have_toolkit;
-  GHashTable     *jit_kernels;   /* "fp8|bf16 H I" -> JitKernels */
-};
+#include "moe-cuda-device-private.h"
 
 typedef struct {
   cudaLibrary_t library;
@@ -57,8 +27,8 @@ typedef struct {
 
 G_DEFINE_FINAL_TYPE (MoeCudaDevice, moe_cuda_device, MOE_TYPE_DEVICE)
 
-static gboolean
-cuda_check (cudaError_t   err,
+gboolean
+moe_cuda_check (cudaError_t   err,
             const char   *what,
             GError      **error)
 {
@@ -186,7 +156,7 @@ cuda_copy_from_host (MoeDevice      *device,
   /* from pageable memory the call returns once @src has been staged, so the
    * caller may free it at once */
   return device_ready (self, error) &&
-         cuda_check (cudaMemcpyAsync (dst, src, size, cudaMemcpyHostToDevice, self->stream),
+         moe_cuda_check (cudaMemcpyAsync (dst, src, size, cudaMemcpyHostToDevice, self->stream),
                      "copy to the device", error);
 }
 
@@ -224,9 +194,9 @@ cuda_copy_to_host (MoeDevice      *device,
   MoeCudaDevice *self = MOE_CUDA_DEVICE (device);
 
   return device_ready (self, error) &&
-         cuda_check (cudaMemcpyAsync (dst, src, size, cudaMemcpyDeviceToHost, self->stream),
+         moe_cuda_check (cudaMemcpyAsync (dst, src, size, cudaMemcpyDeviceToHost, self->stream),
                      "copy to the host", error) &&
-         cuda_check (cudaStreamSynchronize (self->stream), "the work before a copy to the host", error) &&
+         moe_cuda_check (cudaStreamSynchronize (self->stream), "the work before a copy to the host", error) &&
          check_bad_id (self, error);
 }
 
@@ -237,7 +207,7 @@ cuda_synchronize (MoeDevice  *device,
   MoeCudaDevice *self = MOE_CUDA_DEVICE (device);
 
   return device_ready (self, error) &&
-         cuda_check (cudaStreamSynchronize (self->stream), "synchronize", error) &&
+         moe_cuda_check (cudaStreamSynchronize (self->stream), "synchronize", error) &&
          check_bad_id (self, error);
 }
 
@@ -437,7 +407,7 @@ jit_source (gboolean  fp8,
             int       inter,
             GError  **error)
 {
-  const char *files[] = { "moe-cuda-experts.h", "moe-cuda-gemm.cuh" };
+  const char *files[] = { "moe-cuda-experts.h", "moe-cuda-elements.cuh", "moe-cuda-gemm.cuh" };
   GString *src = g_string_new ("/* libmoe deepgemm kernels, compiled just in time */\n#define MOE_JIT 1\n");
 
   for (guint i = 0; i < G_N_ELEMENTS (files); i++)
@@ -529,7 +499,7 @@ jit_kernels_get (MoeCudaDevice  *self,
         cudaLibraryUnload (k->library);
       g_free (k);
       g_mutex_unlock (&self->jit_lock);
-      return cuda_check (err, "loading deepgemm's compiled kernels", error), NULL;
+      return moe_cuda_check (err, "loading deepgemm's compiled kernels", error), NULL;
     }
   g_hash_table_insert (self->jit_kernels, g_steal_pointer (&key), k);
   g_mutex_unlock (&self->jit_lock);
@@ -725,6 +695,10 @@ moe_cuda_device_class_init (MoeCudaDeviceClass *klass)
   device_class->synchronize = cuda_synchronize;
   device_class->supports_experts = cuda_supports_experts;
   device_class->run_experts = cuda_run_experts;
+  device_class->decoder_new = moe_cuda_decoder_new;
+  device_class->decoder_free = moe_cuda_decoder_free;
+  device_class->decoder_forward = moe_cuda_decoder_forward;
+  device_class->decoder_cache_free = moe_cuda_decoder_cache_free;
 }
 
 static void

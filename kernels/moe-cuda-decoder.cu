@@ -1,0 +1,599 @@
+/* moe-cuda-decoder.cu: the decoder stack's kernels besides the experts and
+ * cuBLAS's matmuls: embedding, RMSNorm (with the residual add fused),
+ * RoPE, the KV cache, attention, routers and the small elementwise ops.
+ *
+ * Each op computes in float32 and rounds its output to the model dtype, at
+ * the points where torch does, so that bf16 models agree with transformers
+ * as the CPU path does.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include "moe-cuda-decoder.h"
+#include "moe-cuda-elements.cuh"
+
+#include <cfloat>
+
+namespace {
+
+#define DISPATCH(dtype, ...)                                                  \
+  do {                                                                       \
+    switch (dtype)                                                           \
+      {                                                                      \
+      case MOE_CUDA_BF16: { typedef __nv_bfloat16 T; __VA_ARGS__; } break;   \
+      case MOE_CUDA_F16: { typedef __half T; __VA_ARGS__; } break;           \
+      default: { typedef float T; __VA_ARGS__; } break;                      \
+      }                                                                      \
+  } while (0)
+
+__device__ __forceinline__ float
+warp_sum (float v)
+{
+  for (int o = 16; o > 0; o >>= 1)
+    v += __shfl_xor_sync (0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float
+warp_max (float v)
+{
+  for (int o = 16; o > 0; o >>= 1)
+    v = fmaxf (v, __shfl_xor_sync (0xffffffffu, v, o));
+  return v;
+}
+
+/* The block's sum (or max) of @v, in every thread. */
+template <bool MAX>
+__device__ float
+block_reduce (float v)
+{
+  __shared__ float part[32];
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = (blockDim.x + 31) / 32;
+
+  v = MAX ? warp_max (v) : warp_sum (v);
+  __syncthreads ();
+  if (lane == 0)
+    part[warp] = v;
+  __syncthreads ();
+  v = lane < nw ? part[lane] : (MAX ? -INFINITY : 0.0f);
+  return MAX ? warp_max (v) : warp_sum (v);
+}
+
+template <typename T>
+__global__ void
+embed_kernel (const T *table, const int64_t *ids, int width, T *out)
+{
+  const T *src = table + ids[blockIdx.x] * (size_t) width;
+  T *dst = out + blockIdx.x * (size_t) width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x)
+    dst[i] = src[i];
+}
+
+template <typename T>
+__global__ void
+rms_norm_kernel (T *x, const T *h_add, int n, int in_stride, const float *w, float eps, int weight_last,
+                 T *y, int out_stride)
+{
+  T *xr = x + blockIdx.x * (size_t) in_stride;
+  T *yr = y + blockIdx.x * (size_t) out_stride;
+  float ss = 0;
+
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    {
+      float v = to_f (xr[i]);
+      if (h_add != nullptr)
+        {
+          v = rnd<T> (v + to_f (h_add[blockIdx.x * (size_t) in_stride + i]));
+          xr[i] = from_f<T> (v);
+        }
+      ss += v * v;
+    }
+  float inv = 1.0f / sqrtf (block_reduce<false> (ss) / (float) n + eps);
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    {
+      float v = to_f (xr[i]);   /* this thread's own write above */
+      yr[i] = from_f<T> (weight_last ? v * inv * w[i] : rnd<T> (v * inv) * w[i]);
+    }
+}
+
+template <typename T>
+__global__ void
+add_kernel (T *x, const T *y, size_t n)
+{
+  for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x)
+    x[i] = from_f<T> (to_f (x[i]) + to_f (y[i]));
+}
+
+template <typename T>
+__global__ void
+clamp_kernel (T *x, size_t n, float limit)
+{
+  for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x)
+    x[i] = from_f<T> (fminf (fmaxf (to_f (x[i]), -limit), limit));
+}
+
+template <typename T>
+__global__ void
+rope_kernel (T *x, int heads, int row_stride, int head_stride, int offset, const int64_t *positions,
+             const float *inv_freq, int rope_dim, float scale)
+{
+  int half = rope_dim / 2;
+  float pos = (float) positions[blockIdx.x];
+
+  for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x)
+    {
+      int h = idx / half, i = idx % half;
+      T *v = x + blockIdx.x * (size_t) row_stride + (size_t) h * head_stride + offset;
+      float angle = inv_freq[i] * pos;
+      float c = rnd<T> (cosf (angle) * scale), s = rnd<T> (sinf (angle) * scale);
+      float x1 = to_f (v[i]), x2 = to_f (v[i + half]);
+      v[i] = from_f<T> (x1 * c - x2 * s);
+      v[i + half] = from_f<T> (x2 * c + x1 * s);
+    }
+}
+
+/* DeepSeek's interleaved RoPE reads pairs (x0, x1), (x2, x3)… and writes the
+ * halves [x0·c − x1·s, x2·c − x3·s, …, x1·c + x0·s, …]: one thread per head,
+ * through a per-thread copy (rope_dim ≤ 256). */
+template <typename T>
+__global__ void
+rope_interleaved_kernel (T *x, int heads, int row_stride, int head_stride, int offset, const int64_t *positions,
+                         const float *inv_freq, int rope_dim, float scale)
+{
+  int half = rope_dim / 2;
+  float pos = (float) positions[blockIdx.x];
+
+  for (int h = threadIdx.x; h < heads; h += blockDim.x)
+    {
+      T *v = x + blockIdx.x * (size_t) row_stride + (size_t) h * head_stride + offset;
+      float t[256];
+      for (int i = 0; i < half; i++)
+        {
+          float angle = inv_freq[i] * pos;
+          float c = rnd<T> (cosf (angle) * scale), s = rnd<T> (sinf (angle) * scale);
+          float x1 = to_f (v[2 * i]), x2 = to_f (v[2 * i + 1]);
+          t[i] = x1 * c - x2 * s;
+          t[i + half] = x2 * c + x1 * s;
+        }
+      for (int i = 0; i < rope_dim; i++)
+        v[i] = from_f<T> (t[i]);
+    }
+}
+
+template <typename T>
+__global__ void
+store_kv_kernel (int n_tokens, int kv_heads,
+                 const T *k1, int k1_row, int k1_head, int n1,
+                 const T *k2, int k2_row, int k2_head, int n2,
+                 const T *v, int v_row, int v_head, int dv,
+                 T *k_cache, T *v_cache, int capacity, int past)
+{
+  int row = blockIdx.x, h = blockIdx.y;
+  int b = row / n_tokens, t = row % n_tokens;
+  size_t slot = ((size_t) b * kv_heads + h) * capacity + past + t;
+  T *kd = k_cache + slot * (n1 + n2);
+  T *vd = v_cache + slot * dv;
+
+  for (int i = threadIdx.x; i < n1; i += blockDim.x)
+    kd[i] = k1[(size_t) row * k1_row + (size_t) h * k1_head + i];
+  for (int i = threadIdx.x; i < n2; i += blockDim.x)
+    kd[n1 + i] = k2[(size_t) row * k2_row + (size_t) h * k2_head + i];
+  for (int i = threadIdx.x; i < dv; i += blockDim.x)
+    vd[i] = v[(size_t) row * v_row + (size_t) h * v_head + i];
+}
+
+/* One block per (query row, head): the scores of every key in shared
+ * memory, a warp per key; then the softmax; then a thread per output dim. */
+template <typename T>
+__global__ void
+attention_kernel (MoeCudaAttention a)
+{
+  extern __shared__ float sm[];
+  float *qs = sm, *score = sm + a.dk;
+  int row = blockIdx.x, h = blockIdx.y;
+  int b = row / a.n_tokens, t = row % a.n_tokens;
+  int len = a.past + a.n_tokens, qpos = a.past + t;
+  int g = h / (a.heads / a.kv_heads);
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  const T *q = (const T *) a.q + (size_t) row * a.q_row_stride + (size_t) h * a.dk;
+  const T *K = (const T *) a.k_cache + (size_t) (b * a.kv_heads + g) * a.capacity * a.dk;
+  const T *V = (const T *) a.v_cache + (size_t) (b * a.kv_heads + g) * a.capacity * a.dv;
+  T *out = (T *) a.out + ((size_t) row * a.heads + h) * a.dv;
+  float mx = -INFINITY, sum = 0;
+
+  for (int d = threadIdx.x; d < a.dk; d += blockDim.x)
+    qs[d] = to_f (q[d]);
+  __syncthreads ();
+
+  for (int j = warp; j < len; j += nw)
+    {
+      bool ok = j <= qpos && (a.key_valid == nullptr || a.key_valid[(size_t) b * len + j]) &&
+                (a.window == 0 || qpos - j < a.window);
+      float s = -INFINITY;
+      if (ok)
+        {
+          float acc = 0;
+          for (int d = lane; d < a.dk; d += 32)
+            acc += qs[d] * to_f (K[(size_t) j * a.dk + d]);
+          s = warp_sum (acc) * a.scaling;
+          if (a.eager)
+            s = rnd<T> (s);
+        }
+      if (lane == 0)
+        score[j] = s;
+      mx = fmaxf (mx, s);
+    }
+  mx = block_reduce<true> (mx);
+  if (a.sinks != nullptr)
+    mx = fmaxf (mx, a.sinks[h]);
+  if (mx == -INFINITY)
+    {
+      /* a padded query with nothing to attend to */
+      for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
+        out[d] = from_f<T> (0.0f);
+      return;
+    }
+  for (int j = threadIdx.x; j < len; j += blockDim.x)
+    {
+      float p = score[j] == -INFINITY ? 0.0f : expf (score[j] - mx);
+      score[j] = p;
+      sum += p;
+    }
+  sum = block_reduce<false> (sum);   /* its barriers also publish score[] */
+  if (a.sinks != nullptr)
+    sum += expf (a.sinks[h] - mx);
+
+  for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
+    {
+      float acc = 0;
+      for (int j = 0; j < len; j++)
+        {
+          float p = score[j];
+          if (p != 0.0f)
+            acc += (a.eager ? rnd<T> (p / sum) : p) * to_f (V[(size_t) j * a.dv + d]);
+        }
+      out[d] = from_f<T> (a.eager ? acc : acc / sum);
+    }
+}
+
+/* The warp's top choice among @n values not yet taken: the largest, the
+ * lower index on ties (torch.topk's order for the fixtures' distinct
+ * values), in every lane. */
+__device__ int
+warp_argmax (const float *v, const unsigned char *taken, int n)
+{
+  int lane = threadIdx.x % 32, bi = -1;
+  float best = -INFINITY;
+
+  for (int i = lane; i < n; i += 32)
+    if (!taken[i] && (bi < 0 || v[i] > best))
+      {
+        best = v[i];
+        bi = i;
+      }
+  for (int o = 16; o > 0; o >>= 1)
+    {
+      float ob = __shfl_xor_sync (0xffffffffu, best, o);
+      int oi = __shfl_xor_sync (0xffffffffu, bi, o);
+      if (oi >= 0 && (bi < 0 || ob > best || (ob == best && oi < bi)))
+        {
+          best = ob;
+          bi = oi;
+        }
+    }
+  return bi;
+}
+
+/* One block per row: the logits (a warp per expert), then the choice in
+ * warp 0, as moe-transformer.c's route(). */
+template <typename T>
+__global__ void
+route_kernel (MoeCudaRouter r)
+{
+  extern __shared__ float sm[];
+  int E = r.num_experts, K = r.top_k;
+  float *xs = sm, *logits = xs + r.hidden, *choice = logits + E, *sig = choice + E;
+  unsigned char *taken = (unsigned char *) (sig + E);
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  const T *x = (const T *) r.x + blockIdx.x * (size_t) r.hidden;
+  int64_t *ids = r.ids + blockIdx.x * (size_t) K;
+  float *w = r.weights + blockIdx.x * (size_t) K;
+
+  for (int i = threadIdx.x; i < r.hidden; i += blockDim.x)
+    xs[i] = to_f (x[i]);
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    taken[e] = 0;
+  __syncthreads ();
+  for (int e = warp; e < E; e += nw)
+    {
+      const float *we = r.weight + (size_t) e * r.hidden;
+      float acc = 0;
+      for (int i = lane; i < r.hidden; i += 32)
+        acc += xs[i] * we[i];
+      acc = warp_sum (acc);
+      if (r.bias != nullptr)
+        acc += r.bias[e];
+      if (lane == 0)
+        /* DeepSeek routes in float32 whatever the model dtype */
+        logits[e] = r.kind == MOE_CUDA_ROUTER_SIGMOID_GROUPED ? acc : rnd<T> (acc);
+    }
+  __syncthreads ();
+  if (warp != 0)
+    return;
+
+  if (r.kind == MOE_CUDA_ROUTER_SOFTMAX_TOPK)
+    {
+      float mx = -INFINITY, sum = 0, kept = 0;
+      for (int e = lane; e < E; e += 32)
+        mx = fmaxf (mx, logits[e]);
+      mx = warp_max (mx);
+      for (int e = lane; e < E; e += 32)
+        sum += (choice[e] = expf (logits[e] - mx));
+      sum = warp_sum (sum);
+      __syncwarp ();
+      for (int e = lane; e < E; e += 32)
+        choice[e] /= sum;
+      __syncwarp ();
+      for (int k = 0; k < K; k++)
+        {
+          int i = warp_argmax (choice, taken, E);
+          if (lane == 0)
+            {
+              taken[i] = 1;
+              ids[k] = i;
+              kept += (w[k] = choice[i]);
+            }
+          __syncwarp ();
+        }
+      if (lane == 0)
+        for (int k = 0; k < K; k++)
+          {
+            if (r.norm_topk)
+              w[k] /= kept;
+            if (r.weights_in_act_dtype)
+              w[k] = rnd<T> (w[k]);
+          }
+    }
+  else if (r.kind == MOE_CUDA_ROUTER_SIGMOID_GROUPED)
+    {
+      int per = E / r.n_group;
+      float *group = (float *) (taken + ((E + 15) / 16) * 16);   /* see moe_cuda_route() */
+      for (int e = lane; e < E; e += 32)
+        {
+          sig[e] = 1.0f / (1.0f + expf (-logits[e]));
+          choice[e] = sig[e] + r.score_bias[e];
+        }
+      __syncwarp ();
+      /* each group's score: the sum of its two best */
+      for (int gi = lane; gi < r.n_group; gi += 32)
+        {
+          const float *c = choice + gi * per;
+          int b0 = 0;
+          for (int e = 1; e < per; e++)
+            if (c[e] > c[b0])
+              b0 = e;
+          int b1 = b0 == 0 ? 1 : 0;
+          for (int e = 0; e < per; e++)
+            if (e != b0 && c[e] > c[b1])
+              b1 = e;
+          group[gi] = c[b0] + c[b1];
+        }
+      __syncwarp ();
+      if (lane == 0)
+        {
+          /* keep the topk_group best groups; mask the rest */
+          unsigned long long kept = 0;
+          for (int s = 0; s < r.topk_group; s++)
+            {
+              int best = -1;
+              for (int gi = 0; gi < r.n_group; gi++)
+                if (!(kept >> gi & 1) && (best < 0 || group[gi] > group[best]))
+                  best = gi;
+              kept |= 1ull << best;
+            }
+          for (int gi = 0; gi < r.n_group; gi++)
+            if (!(kept >> gi & 1))
+              for (int e = 0; e < per; e++)
+                choice[gi * per + e] = -INFINITY;
+        }
+      __syncwarp ();
+      float sum = 0;
+      for (int k = 0; k < K; k++)
+        {
+          int i = warp_argmax (choice, taken, E);
+          if (lane == 0)
+            {
+              taken[i] = 1;
+              ids[k] = i;
+              sum += (w[k] = sig[i]);
+            }
+          __syncwarp ();
+        }
+      if (lane == 0)
+        for (int k = 0; k < K; k++)
+          {
+            if (r.norm_topk)
+              w[k] /= sum + 1e-20f;
+            w[k] *= r.routed_scale;
+          }
+    }
+  else
+    {
+      /* GPT-OSS: top-k of the logits, softmax over those k */
+      for (int k = 0; k < K; k++)
+        {
+          int i = warp_argmax (logits, taken, E);
+          if (lane == 0)
+            {
+              taken[i] = 1;
+              ids[k] = i;
+            }
+          __syncwarp ();
+        }
+      if (lane == 0)
+        {
+          float mx = -INFINITY, sum = 0;
+          for (int k = 0; k < K; k++)
+            mx = fmaxf (mx, logits[ids[k]]);
+          for (int k = 0; k < K; k++)
+            sum += (w[k] = expf (logits[ids[k]] - mx));
+          for (int k = 0; k < K; k++)
+            w[k] = rnd<T> (w[k] / sum);
+        }
+    }
+}
+
+template <typename T>
+__global__ void
+act_mul_kernel (T *g, const T *u, size_t n, int act)
+{
+  for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x)
+    g[i] = from_f<T> (rnd<T> (activate (act, to_f (g[i]))) * to_f (u[i]));
+}
+
+template <typename T>
+__global__ void
+add_gated_kernel (T *y, const T *s, const T *gate, int width)
+{
+  T *yr = y + blockIdx.x * (size_t) width;
+  const T *sr = s + blockIdx.x * (size_t) width;
+  float g = gate != nullptr ? rnd<T> (1.0f / (1.0f + expf (-to_f (gate[blockIdx.x])))) : 1.0f;
+
+  for (int i = threadIdx.x; i < width; i += blockDim.x)
+    {
+      float v = gate != nullptr ? rnd<T> (g * to_f (sr[i])) : to_f (sr[i]);
+      yr[i] = from_f<T> (to_f (yr[i]) + v);
+    }
+}
+
+template <typename T>
+__global__ void
+bias_round_kernel (const float *acc, const T *bias, int width, T *y)
+{
+  size_t r = blockIdx.x * (size_t) width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x)
+    y[r + i] = from_f<T> (acc[r + i] + to_f (bias[i]));
+}
+
+template <typename T>
+__global__ void
+to_f32_kernel (const T *x, size_t n, float *y)
+{
+  for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x)
+    y[i] = to_f (x[i]);
+}
+
+unsigned
+elementwise_blocks (size_t n)
+{
+  size_t b = (n + 255) / 256;
+  return (unsigned) (b < 4096 ? (b > 0 ? b : 1) : 4096);
+}
+
+} /* namespace */
+
+extern "C" void
+moe_cuda_embed (int dtype, const void *table, const int64_t *ids, int rows, int width, void *out, cudaStream_t s)
+{
+  DISPATCH (dtype, embed_kernel<T><<<rows, 256, 0, s>>> ((const T *) table, ids, width, (T *) out));
+}
+
+extern "C" void
+moe_cuda_rms_norm (int dtype, void *x, const void *h_add, int rows, int n, int in_stride, const float *weight,
+                   float eps, int weight_last, void *y, int out_stride, cudaStream_t s)
+{
+  DISPATCH (dtype, rms_norm_kernel<T><<<rows, 256, 0, s>>> ((T *) x, (const T *) h_add, n, in_stride, weight, eps,
+                                                           weight_last, (T *) y, out_stride));
+}
+
+extern "C" void
+moe_cuda_add (int dtype, void *x, const void *y, size_t n, cudaStream_t s)
+{
+  DISPATCH (dtype, add_kernel<T><<<elementwise_blocks (n), 256, 0, s>>> ((T *) x, (const T *) y, n));
+}
+
+extern "C" void
+moe_cuda_clamp (int dtype, void *x, size_t n, float limit, cudaStream_t s)
+{
+  DISPATCH (dtype, clamp_kernel<T><<<elementwise_blocks (n), 256, 0, s>>> ((T *) x, n, limit));
+}
+
+extern "C" void
+moe_cuda_rope (int dtype, void *x, int rows, int heads, int row_stride, int head_stride, int offset,
+               const int64_t *positions, const float *inv_freq, int rope_dim, float scale, int interleaved,
+               cudaStream_t s)
+{
+  if (interleaved)
+    DISPATCH (dtype, rope_interleaved_kernel<T><<<rows, 32, 0, s>>> ((T *) x, heads, row_stride, head_stride, offset,
+                                                                     positions, inv_freq, rope_dim, scale));
+  else
+    DISPATCH (dtype, rope_kernel<T><<<rows, 256, 0, s>>> ((T *) x, heads, row_stride, head_stride, offset,
+                                                         positions, inv_freq, rope_dim, scale));
+}
+
+extern "C" void
+moe_cuda_store_kv (int dtype, int batch, int n_tokens, int kv_heads,
+                   const void *k1, int k1_row, int k1_head, int n1,
+                   const void *k2, int k2_row, int k2_head, int n2,
+                   const void *v, int v_row, int v_head, int dv,
+                   void *k_cache, void *v_cache, int capacity, int past, cudaStream_t s)
+{
+  dim3 grid (batch * n_tokens, kv_heads);
+  DISPATCH (dtype, store_kv_kernel<T><<<grid, 128, 0, s>>> (n_tokens, kv_heads, (const T *) k1, k1_row, k1_head, n1,
+                                                            (const T *) k2, k2_row, k2_head, n2,
+                                                            (const T *) v, v_row, v_head, dv,
+                                                            (T *) k_cache, (T *) v_cache, capacity, past));
+}
+
+extern "C" const char *
+moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
+{
+  size_t smem = (size_t) (a->dk + a->past + a->n_tokens) * sizeof (float);
+  int max_smem = 0, dev = 0;
+  dim3 grid (a->batch * a->n_tokens, a->heads);
+
+  cudaGetDevice (&dev);
+  cudaDeviceGetAttribute (&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (smem > (size_t) max_smem - 1024)
+    return "the context is longer than the attention kernel's shared memory holds";
+  DISPATCH (a->dtype,
+            if (smem > 48 * 1024)
+              cudaFuncSetAttribute (attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
+            attention_kernel<T><<<grid, 128, smem, s>>> (*a));
+  return NULL;
+}
+
+extern "C" void
+moe_cuda_route (const MoeCudaRouter *r, cudaStream_t s)
+{
+  /* x, logits, choice, sig (float), taken (bytes, padded), group scores */
+  size_t smem = (size_t) (r->hidden + 3 * r->num_experts) * sizeof (float) + ((r->num_experts + 15) / 16) * 16 +
+                (size_t) (r->n_group > 0 ? r->n_group : 1) * sizeof (float);
+  DISPATCH (r->dtype,
+            if (smem > 48 * 1024)
+              cudaFuncSetAttribute (route_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
+            route_kernel<T><<<r->rows, 256, smem, s>>> (*r));
+}
+
+extern "C" void
+moe_cuda_act_mul (int dtype, void *g, const void *u, size_t n, int activation, cudaStream_t s)
+{
+  DISPATCH (dtype, act_mul_kernel<T><<<elementwise_blocks (n), 256, 0, s>>> ((T *) g, (const T *) u, n, activation));
+}
+
+extern "C" void
+moe_cuda_add_gated (int dtype, void *y, const void *sh, const void *gate, int rows, int width, cudaStream_t s)
+{
+  DISPATCH (dtype, add_gated_kernel<T><<<rows, 256, 0, s>>> ((T *) y, (const T *) sh, (const T *) gate, width));
+}
+
+extern "C" void
+moe_cuda_bias_round (int dtype, const float *acc, const void *bias, int rows, int width, void *y, cudaStream_t s)
+{
+  DISPATCH (dtype, bias_round_kernel<T><<<rows, 256, 0, s>>> (acc, (const T *) bias, width, (T *) y));
+}
+
+extern "C" void
+moe_cuda_to_f32 (int dtype, const void *x, size_t n, float *y, cudaStream_t s)
+{
+  DISPATCH (dtype, to_f32_kernel<T><<<elementwise_blocks (n), 256, 0, s>>> ((const T *) x, n, y));
+}

@@ -1,0 +1,112 @@
+/* moe-cuda-decoder.h: the kernels of a whole model's decoder stack on the
+ * CUDA device (C ABI), besides the experts and cuBLAS's matmuls
+ *
+ * Activations are stored in the model dtype (MOE_CUDA_F32, _F16, _BF16),
+ * computed in float32 and rounded to that dtype after each op, as torch
+ * computes them; norm weights, routers and RoPE frequencies are float32.
+ * Every function queues its work on @stream and returns at once.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Router kinds, as moe-transformer-private.h's RouterKind. */
+enum { MOE_CUDA_ROUTER_SOFTMAX_TOPK, MOE_CUDA_ROUTER_SIGMOID_GROUPED, MOE_CUDA_ROUTER_TOPK_SOFTMAX };
+
+/* out[r] = table[ids[r]] for @rows rows of @width */
+void moe_cuda_embed          (int dtype, const void *table, const int64_t *ids, int rows, int width,
+                              void *out, cudaStream_t stream);
+
+/* RMSNorm of @rows rows of width @n, @in_stride and @out_stride elements
+ * apart; with @h_add, x = h + h_add first (rounded, written back to x):
+ * the residual add fused with the next norm. @weight_last: GPT-OSS's
+ * (w · x).to(dtype) instead of w · x.to(dtype). */
+void moe_cuda_rms_norm       (int dtype, void *x, const void *h_add, int rows, int n, int in_stride,
+                              const float *weight, float eps, int weight_last, void *y, int out_stride,
+                              cudaStream_t stream);
+
+/* x = x + y, rounded, for @n elements */
+void moe_cuda_add            (int dtype, void *x, const void *y, size_t n, cudaStream_t stream);
+
+/* x clamped to [-limit, limit] */
+void moe_cuda_clamp          (int dtype, void *x, size_t n, float limit, cudaStream_t stream);
+
+/* Rotates the first @rope_dim dims at @offset of each of @heads head
+ * vectors per row (@head_stride apart; rows @row_stride apart) by the
+ * row's position. @interleaved: DeepSeek's (x0, x1), (x2, x3)… pairs. */
+void moe_cuda_rope           (int dtype, void *x, int rows, int heads, int row_stride, int head_stride,
+                              int offset, const int64_t *positions, const float *inv_freq, int rope_dim,
+                              float scale, int interleaved, cudaStream_t stream);
+
+/* Writes rows [B, T] of keys and values into a layer's cache, laid out
+ * [B][kv_heads][capacity][d], at positions past…past+T-1. A key is @k1
+ * (@n1 dims per head) followed by @k2 (@n2 dims, DeepSeek's shared RoPE
+ * part: @k2_head_stride 0); strides in elements. */
+void moe_cuda_store_kv       (int dtype, int batch, int n_tokens, int kv_heads,
+                              const void *k1, int k1_row_stride, int k1_head_stride, int n1,
+                              const void *k2, int k2_row_stride, int k2_head_stride, int n2,
+                              const void *v, int v_row_stride, int v_head_stride, int dv,
+                              void *k_cache, void *v_cache, int capacity, int past, cudaStream_t stream);
+
+typedef struct {
+  int dtype;
+  int batch, n_tokens, past;           /* keys 0…past+n_tokens-1 */
+  int heads, kv_heads, dk, dv;
+  const void *q;                        /* [B*T][heads][dk] */
+  int q_row_stride;                     /* elements between rows */
+  const void *k_cache, *v_cache;        /* [B][kv_heads][capacity][d] */
+  int capacity;
+  const uint8_t *key_valid;             /* [B][past+T] or NULL */
+  int window;                           /* sliding window, 0: none */
+  const float *sinks;                   /* [heads] or NULL */
+  float scaling;
+  int eager;                            /* round scores and probabilities (GPT-OSS) */
+  void *out;                            /* [B*T][heads][dv] */
+} MoeCudaAttention;
+
+/* Returns NULL, or a static message saying what failed. */
+const char *moe_cuda_attention       (const MoeCudaAttention *a, cudaStream_t stream);
+
+typedef struct {
+  int dtype;
+  int rows, hidden, num_experts, top_k;
+  int kind;                             /* MOE_CUDA_ROUTER_* */
+  int norm_topk, weights_in_act_dtype;
+  float routed_scale;
+  int n_group, topk_group;
+  const void *x;                        /* [rows, hidden] */
+  const float *weight;                  /* [E, hidden] */
+  const float *bias;                    /* [E] or NULL: added to the logits */
+  const float *score_bias;              /* [E] or NULL: DeepSeek's choice bias */
+  int64_t *ids;                         /* [rows, top_k] */
+  float *weights;                       /* [rows, top_k] */
+} MoeCudaRouter;
+
+void moe_cuda_route          (const MoeCudaRouter *r, cudaStream_t stream);
+
+/* g = act(g) · u, each op rounded (a gated MLP's middle) */
+void moe_cuda_act_mul        (int dtype, void *g, const void *u, size_t n, int activation, cudaStream_t stream);
+
+/* y = y + sigmoid(gate[r]) · s over rows of @width (Qwen2-MoE's gated
+ * shared expert); @gate NULL: y = y + s */
+void moe_cuda_add_gated      (int dtype, void *y, const void *s, const void *gate, int rows, int width,
+                              cudaStream_t stream);
+
+/* y = (acc + bias) rounded to dtype, over rows of @width */
+void moe_cuda_bias_round     (int dtype, const float *acc, const void *bias, int rows, int width, void *y,
+                              cudaStream_t stream);
+
+/* y = x as float32 */
+void moe_cuda_to_f32         (int dtype, const void *x, size_t n, float *y, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

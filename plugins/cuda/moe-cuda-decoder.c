@@ -1,0 +1,596 @@
+/* moe-cuda-decoder.c: whole models on the cuda device
+ *
+ * The decoder stack of moe-transformer.c, step for step, on the GPU: the
+ * weights are copied to the device once (the experts already are), the
+ * activations stay there in the model dtype, dense projections run on
+ * cuBLAS (float32 accumulation; no TF32, so float32 models keep their
+ * precision), the other ops on kernels/moe-cuda-decoder.cu, and each MoE
+ * layer's experts through moe_experts_forward(), so that the model's
+ * experts implementation (and the decode switch) chooses how they run.
+ * Only the logits come back to the host.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include <string.h>
+
+#include "moe-cuda-device-private.h"
+#include "moe-cuda-decoder.h"
+#include "moe-cuda-experts.h"
+#include "moe-transformer-private.h"
+
+typedef struct {
+  MoeTensor *weight;           /* [out, in] */
+  MoeTensor *bias;             /* [out] or NULL */
+  int        out, in;
+} DevLinear;
+
+typedef struct {
+  MoeTensor *input_norm, *post_norm, *q_norm, *k_norm, *q_a_norm, *kv_a_norm;
+  MoeTensor *sinks, *router, *router_bias, *score_bias;
+  DevLinear  q, k, v, o, q_a, q_b, kv_a, kv_b, gate, up, down, shared_gate;
+} DevLayer;
+
+typedef struct {
+  MoeCudaDevice        *dev;
+  const MoeTransformer *m;
+  int                   dtype;       /* MOE_CUDA_*: MoeDType's numbering */
+  gsize                 elem;        /* bytes per activation */
+  MoeTensor            *embed, *lm_head, *final_norm, *inv_freq;
+  DevLayer             *layer;
+} Decoder;
+
+typedef struct {
+  guint       batch, capacity;
+  guint       layers;
+  MoeTensor **k, **v;          /* per layer [B][kv_heads][capacity][d] */
+} DevCache;
+
+/* ------------------------------------------------------------------ */
+/* Weights                                                             */
+
+static MoeTensor *
+upload_f32 (Decoder *d, const float *values, gint64 n, GError **error)
+{
+  g_autoptr(GBytes) bytes = NULL;
+  g_autoptr(MoeTensor) host = NULL;
+
+  if (values == NULL)
+    return NULL;
+  bytes = g_bytes_new_static (values, n * sizeof (float));
+  host = moe_tensor_new_from_bytes (MOE_DTYPE_F32, &n, 1, bytes, error);
+  return host ? moe_tensor_to_device (host, MOE_DEVICE (d->dev), error) : NULL;
+}
+
+static gboolean
+upload_linear (Decoder *d, const Linear *lin, DevLinear *out, GError **error)
+{
+  if (lin->weight == NULL)
+    return TRUE;
+  if (lin->scale != NULL)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "On cuda the attention and dense layers need %s weights; this checkpoint's are %s "
+                   "(load it with dequantize set to run it on cuda, or on the cpu as it is)",
+                   moe_dtype_get_name (d->m->dtype), moe_dtype_get_name (moe_tensor_get_dtype (lin->weight)));
+      return FALSE;
+    }
+  out->out = moe_tensor_get_dim (lin->weight, 0);
+  out->in = moe_tensor_get_dim (lin->weight, 1);
+  out->weight = moe_tensor_to_device (lin->weight, MOE_DEVICE (d->dev), error);
+  if (out->weight == NULL)
+    return FALSE;
+  if (lin->bias != NULL)
+    {
+      g_autoptr(MoeTensor) b = moe_tensor_to_dtype (lin->bias, d->m->dtype, error);
+      out->bias = b ? moe_tensor_to_device (b, MOE_DEVICE (d->dev), error) : NULL;
+      if (out->bias == NULL)
+        return FALSE;
+    }
+  return TRUE;
+}
+
+static void
+dev_linear_clear (DevLinear *lin)
+{
+  g_clear_object (&lin->weight);
+  g_clear_object (&lin->bias);
+}
+
+void
+moe_cuda_decoder_free (MoeDevice *device,
+                       gpointer   decoder)
+{
+  Decoder *d = decoder;
+
+  for (guint i = 0; d->layer != NULL && i < d->m->layers; i++)
+    {
+      DevLayer *L = &d->layer[i];
+      MoeTensor **ts[] = { &L->input_norm, &L->post_norm, &L->q_norm, &L->k_norm, &L->q_a_norm, &L->kv_a_norm,
+                           &L->sinks, &L->router, &L->router_bias, &L->score_bias };
+      DevLinear *lins[] = { &L->q, &L->k, &L->v, &L->o, &L->q_a, &L->q_b, &L->kv_a, &L->kv_b,
+                            &L->gate, &L->up, &L->down, &L->shared_gate };
+      for (guint j = 0; j < G_N_ELEMENTS (ts); j++)
+        g_clear_object (ts[j]);
+      for (guint j = 0; j < G_N_ELEMENTS (lins); j++)
+        dev_linear_clear (lins[j]);
+    }
+  g_free (d->layer);
+  g_clear_object (&d->embed);
+  g_clear_object (&d->lm_head);
+  g_clear_object (&d->final_norm);
+  g_clear_object (&d->inv_freq);
+  g_free (d);
+}
+
+gpointer
+moe_cuda_decoder_new (MoeDevice      *device,
+                      gconstpointer   model,
+                      GError        **error)
+{
+  const MoeTransformer *m = model;
+  Decoder *d = g_new0 (Decoder, 1);
+  GError *local = NULL;
+  gint64 H = m->hidden;
+
+  d->dev = MOE_CUDA_DEVICE (device);
+  d->m = m;
+  d->dtype = m->dtype;
+  d->elem = m->dtype == MOE_DTYPE_F32 ? 4 : 2;
+  if (m->dtype != MOE_DTYPE_F32 && m->dtype != MOE_DTYPE_BF16 && m->dtype != MOE_DTYPE_F16)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
+                   "On cuda a model runs in float32, bfloat16 or float16, not %s", moe_dtype_get_name (m->dtype));
+      goto fail;
+    }
+  if (m->family == FAMILY_DEEPSEEK_V3 && (m->kv_heads != m->heads || m->rope_dim > 256))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "On cuda MLA needs one key head per query head and at most 256 RoPE dims");
+      goto fail;
+    }
+  if (m->router_kind == ROUTER_SIGMOID_GROUPED && (m->n_group == 0 || m->n_group > 64 ||
+                                                   m->num_experts / m->n_group < 2))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "On cuda group-limited routing needs 1…64 groups of at least two experts; this model has "
+                   "%u experts in %u groups", m->num_experts, m->n_group);
+      goto fail;
+    }
+
+#define UP(dst, src, n) G_STMT_START { if ((src) != NULL && ((dst) = upload_f32 (d, (src), (n), &local)) == NULL) goto fail_local; } G_STMT_END
+  d->embed = moe_tensor_to_device (m->embed, device, &local);
+  if (d->embed == NULL)
+    goto fail_local;
+  d->lm_head = m->lm_head == m->embed ? g_object_ref (d->embed) : moe_tensor_to_device (m->lm_head, device, &local);
+  if (d->lm_head == NULL)
+    goto fail_local;
+  UP (d->final_norm, m->final_norm, H);
+  UP (d->inv_freq, m->inv_freq, m->rope_dim / 2);
+
+  d->layer = g_new0 (DevLayer, m->layers);
+  for (guint i = 0; i < m->layers; i++)
+    {
+      const Layer *L = &m->layer[i];
+      DevLayer *D = &d->layer[i];
+      const Linear *src[] = { &L->q, &L->k, &L->v, &L->o, &L->q_a, &L->q_b, &L->kv_a, &L->kv_b,
+                              &L->gate, &L->up, &L->down, &L->shared_gate };
+      DevLinear *dst[] = { &D->q, &D->k, &D->v, &D->o, &D->q_a, &D->q_b, &D->kv_a, &D->kv_b,
+                           &D->gate, &D->up, &D->down, &D->shared_gate };
+      gint64 qn_norm = m->qk_norm == QK_NORM_FULL ? (gint64) m->heads * m->head_dim : m->head_dim;
+      gint64 kn_norm = m->qk_norm == QK_NORM_FULL ? (gint64) m->kv_heads * m->head_dim : m->head_dim;
+
+      UP (D->input_norm, L->input_norm, H);
+      UP (D->post_norm, L->post_norm, H);
+      UP (D->q_norm, L->q_norm, qn_norm);
+      UP (D->k_norm, L->k_norm, kn_norm);
+      UP (D->q_a_norm, L->q_a_norm, m->q_lora);
+      UP (D->kv_a_norm, L->kv_a_norm, m->kv_lora);
+      UP (D->sinks, L->sinks, m->heads);
+      UP (D->router, L->router, (gint64) m->num_experts * H);
+      UP (D->router_bias, L->router_bias, m->num_experts);
+      UP (D->score_bias, L->score_bias, m->num_experts);
+      for (guint j = 0; j < G_N_ELEMENTS (src); j++)
+        if (!upload_linear (d, src[j], dst[j], &local))
+          goto fail_local;
+    }
+#undef UP
+  /* copies from the mapped checkpoint are done once this returns */
+  if (!moe_device_synchronize (device, &local))
+    goto fail_local;
+  return d;
+
+fail_local:
+  g_propagate_error (error, local);
+fail:
+  moe_cuda_decoder_free (device, d);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* KV cache                                                            */
+
+void
+moe_cuda_decoder_cache_free (MoeDevice *device,
+                             gpointer   cache)
+{
+  DevCache *c = cache;
+
+  for (guint i = 0; i < c->layers; i++)
+    {
+      g_clear_object (&c->k[i]);
+      g_clear_object (&c->v[i]);
+    }
+  g_free (c->k);
+  g_free (c->v);
+  g_free (c);
+}
+
+/* Grows every layer's cache to hold @length positions, keeping the first
+ * @past. */
+static gboolean
+cache_reserve (Decoder *d, DevCache *c, guint past, guint length, GError **error)
+{
+  const MoeTransformer *m = d->m;
+  guint cap;
+
+  if (length <= c->capacity)
+    return TRUE;
+  cap = MAX (length, MAX (c->capacity * 2, 64));
+  for (guint i = 0; i < m->layers; i++)
+    for (int kv = 0; kv < 2; kv++)
+      {
+        MoeTensor **slot = kv == 0 ? &c->k[i] : &c->v[i];
+        gint64 dim = kv == 0 ? m->head_dim : m->v_head_dim;
+        gint64 shape[4] = { c->batch, m->kv_heads, cap, dim };
+        g_autoptr(MoeTensor) grown = moe_tensor_new_empty (MOE_DEVICE (d->dev), m->dtype, shape, 4, error);
+
+        if (grown == NULL)
+          return FALSE;
+        if (*slot != NULL && past > 0 &&
+            !moe_cuda_check (cudaMemcpy2DAsync (moe_tensor_get_mutable_data (grown), cap * dim * d->elem,
+                                                moe_tensor_get_data (*slot), c->capacity * dim * d->elem,
+                                                past * dim * d->elem, (gsize) c->batch * m->kv_heads,
+                                                cudaMemcpyDeviceToDevice, d->dev->stream),
+                             "growing the KV cache", error))
+          return FALSE;
+        g_clear_object (slot);
+        *slot = g_steal_pointer (&grown);
+      }
+  c->capacity = cap;
+  return TRUE;
+}
+
+/* ------------------------------------------------------------------ */
+/* Ops                                                                 */
+
+#define DATA(t) ((void *) moe_tensor_get_data (t))
+#define OPT(t) ((t) != NULL ? DATA (t) : NULL)
+
+static MoeTensor *
+new_act (Decoder *d, gint64 rows, gint64 cols, GError **error)
+{
+  gint64 shape[2] = { rows, cols };
+  return moe_tensor_new_empty (MOE_DEVICE (d->dev), d->m->dtype, shape, 2, error);
+}
+
+static MoeTensor *
+new_f32 (Decoder *d, gint64 rows, gint64 cols, GError **error)
+{
+  gint64 shape[2] = { rows, cols };
+  return moe_tensor_new_empty (MOE_DEVICE (d->dev), MOE_DTYPE_F32, shape, 2, error);
+}
+
+static cudaDataType_t
+cuda_type (int dtype)
+{
+  return dtype == MOE_CUDA_BF16 ? CUDA_R_16BF : dtype == MOE_CUDA_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+/* y [rows, out] = x [rows, in] (rows @ldx elements apart) · Wᵀ (+ bias),
+ * as torch's linear: float32 accumulation, the bias added before the one
+ * rounding to the model dtype. */
+static MoeTensor *
+linear (Decoder *d, const DevLinear *lin, MoeTensor *x, gsize x_offset, int ldx, int rows, GError **error)
+{
+  g_autoptr(MoeTensor) y = new_act (d, rows, lin->out, error);
+  g_autoptr(MoeTensor) acc = NULL;
+  const float one = 1.0f, zero = 0.0f;
+  cublasStatus_t st;
+
+  if (y == NULL)
+    return NULL;
+  if (lin->bias != NULL && (acc = new_f32 (d, rows, lin->out, error)) == NULL)
+    return NULL;
+  g_mutex_lock (&d->dev->lock);
+  st = cublasGemmEx (d->dev->cublas, CUBLAS_OP_T, CUBLAS_OP_N, lin->out, rows, lin->in, &one,
+                     DATA (lin->weight), cuda_type (d->dtype), lin->in,
+                     (char *) DATA (x) + x_offset * d->elem, cuda_type (d->dtype), ldx, &zero,
+                     acc ? DATA (acc) : DATA (y), acc ? CUDA_R_32F : cuda_type (d->dtype), lin->out,
+                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  g_mutex_unlock (&d->dev->lock);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_FAILED, "cuBLAS: a %d×%d×%d projection failed (status %d)",
+                   rows, lin->out, lin->in, (int) st);
+      return NULL;
+    }
+  if (acc != NULL)
+    moe_cuda_bias_round (d->dtype, DATA (acc), DATA (lin->bias), rows, lin->out, DATA (y), d->dev->stream);
+  return g_steal_pointer (&y);
+}
+
+static void
+norm (Decoder *d, MoeTensor *x, gsize offset, MoeTensor *h_add, int rows, int n, int in_stride,
+      MoeTensor *w, MoeTensor *y, gsize y_offset, int out_stride)
+{
+  moe_cuda_rms_norm (d->dtype, (char *) DATA (x) + offset * d->elem,
+                     h_add ? (char *) DATA (h_add) + offset * d->elem : NULL, rows, n, in_stride,
+                     DATA (w), d->m->eps, d->m->family == FAMILY_GPT_OSS, (char *) DATA (y) + y_offset * d->elem,
+                     out_stride, d->dev->stream);
+}
+
+typedef struct {
+  const MoeDecoderStep *st;
+  DevCache  *cache;
+  guint      past;
+  int        rows;
+  MoeTensor *positions;        /* [rows] i64 */
+  MoeTensor *key_valid;        /* [B, past + T] u8, or NULL */
+} Step;
+
+static MoeTensor *
+attend (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int dk, int dv, GError **error)
+{
+  const MoeTransformer *m = d->m;
+  g_autoptr(MoeTensor) out = new_act (d, s->rows, (gint64) m->heads * dv, error);
+  MoeCudaAttention a = {
+    .dtype = d->dtype, .batch = s->st->batch, .n_tokens = s->st->n_tokens, .past = s->past,
+    .heads = m->heads, .kv_heads = m->kv_heads, .dk = dk, .dv = dv,
+    .q = out ? DATA (q) : NULL, .q_row_stride = q_row_stride,
+    .k_cache = out ? DATA (s->cache->k[li]) : NULL, .v_cache = out ? DATA (s->cache->v[li]) : NULL,
+    .capacity = s->cache->capacity,
+    .key_valid = s->key_valid ? DATA (s->key_valid) : NULL,
+    .window = m->layer[li].window,
+    .sinks = OPT (d->layer[li].sinks),
+    .scaling = m->scaling, .eager = m->eager_attention,
+  };
+  const char *msg;
+
+  if (out == NULL)
+    return NULL;
+  a.out = DATA (out);
+  msg = moe_cuda_attention (&a, d->dev->stream);
+  if (msg != NULL)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED, "cuda attention over %u positions: %s",
+                   s->past + s->st->n_tokens, msg);
+      return NULL;
+    }
+  return g_steal_pointer (&out);
+}
+
+static void
+rope (Decoder *d, const Step *s, MoeTensor *x, gsize offset, int heads, int row_stride, int head_stride)
+{
+  const MoeTransformer *m = d->m;
+  moe_cuda_rope (d->dtype, (char *) DATA (x) + offset * d->elem, s->rows, heads, row_stride, head_stride, 0,
+                 DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale, m->rope_interleaved,
+                 d->dev->stream);
+}
+
+static MoeTensor *
+attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error)
+{
+  const MoeTransformer *m = d->m;
+  const DevLayer *L = &d->layer[li];
+  int rows = s->rows, hd = m->head_dim, qn = m->heads * hd, kn = m->kv_heads * hd;
+  g_autoptr(MoeTensor) q = NULL, k = NULL, v = NULL, a = NULL;
+  cudaStream_t stream = d->dev->stream;
+
+  if ((q = linear (d, &L->q, x, 0, m->hidden, rows, error)) == NULL ||
+      (k = linear (d, &L->k, x, 0, m->hidden, rows, error)) == NULL ||
+      (v = linear (d, &L->v, x, 0, m->hidden, rows, error)) == NULL)
+    return NULL;
+  if (m->qk_norm == QK_NORM_FULL)
+    {
+      norm (d, q, 0, NULL, rows, qn, qn, L->q_norm, q, 0, qn);
+      norm (d, k, 0, NULL, rows, kn, kn, L->k_norm, k, 0, kn);
+    }
+  else if (m->qk_norm == QK_NORM_PER_HEAD)
+    {
+      norm (d, q, 0, NULL, rows * m->heads, hd, hd, L->q_norm, q, 0, hd);
+      norm (d, k, 0, NULL, rows * m->kv_heads, hd, hd, L->k_norm, k, 0, hd);
+    }
+  if (m->clip_qkv > 0)
+    {
+      moe_cuda_clamp (d->dtype, DATA (q), (gsize) rows * qn, m->clip_qkv, stream);
+      moe_cuda_clamp (d->dtype, DATA (k), (gsize) rows * kn, m->clip_qkv, stream);
+      moe_cuda_clamp (d->dtype, DATA (v), (gsize) rows * kn, m->clip_qkv, stream);
+    }
+  rope (d, s, q, 0, m->heads, qn, hd);
+  rope (d, s, k, 0, m->kv_heads, kn, hd);
+  moe_cuda_store_kv (d->dtype, s->st->batch, s->st->n_tokens, m->kv_heads,
+                     DATA (k), kn, hd, hd, NULL, 0, 0, 0, DATA (v), kn, hd, hd,
+                     DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past, stream);
+  a = attend (d, s, li, q, qn, hd, hd, error);
+  return a ? linear (d, &L->o, a, 0, qn, rows, error) : NULL;
+}
+
+/* DeepSeek's multi-head latent attention (see moe-transformer.c) */
+static MoeTensor *
+attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error)
+{
+  const MoeTransformer *m = d->m;
+  const DevLayer *L = &d->layer[li];
+  int rows = s->rows, qk = m->head_dim, nope = m->nope_dim, rd = m->rope_dim, dv = m->v_head_dim;
+  int kvb = nope + dv, lat = m->kv_lora + rd;
+  g_autoptr(MoeTensor) q = NULL, latent = NULL, kv = NULL, a = NULL;
+
+  if (m->q_lora > 0)
+    {
+      g_autoptr(MoeTensor) qa = linear (d, &L->q_a, x, 0, m->hidden, rows, error);
+      if (qa == NULL)
+        return NULL;
+      norm (d, qa, 0, NULL, rows, m->q_lora, m->q_lora, L->q_a_norm, qa, 0, m->q_lora);
+      q = linear (d, &L->q_b, qa, 0, m->q_lora, rows, error);
+    }
+  else
+    q = linear (d, &L->q, x, 0, m->hidden, rows, error);
+  if (q == NULL || (latent = linear (d, &L->kv_a, x, 0, m->hidden, rows, error)) == NULL)
+    return NULL;
+  norm (d, latent, 0, NULL, rows, m->kv_lora, lat, L->kv_a_norm, latent, 0, lat);
+  if ((kv = linear (d, &L->kv_b, latent, 0, lat, rows, error)) == NULL)
+    return NULL;
+
+  rope (d, s, latent, m->kv_lora, 1, lat, 0);
+  rope (d, s, q, nope, m->heads, m->heads * qk, qk);
+  moe_cuda_store_kv (d->dtype, s->st->batch, s->st->n_tokens, m->heads,
+                     DATA (kv), m->heads * kvb, kvb, nope,
+                     (char *) DATA (latent) + (gsize) m->kv_lora * d->elem, lat, 0, rd,
+                     (char *) DATA (kv) + (gsize) nope * d->elem, m->heads * kvb, kvb, dv,
+                     DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past, d->dev->stream);
+  a = attend (d, s, li, q, m->heads * qk, qk, dv, error);
+  return a ? linear (d, &L->o, a, 0, m->heads * dv, rows, error) : NULL;
+}
+
+/* act(gate(x)) · up(x), then down: a dense MLP or the shared expert */
+static MoeTensor *
+mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, GError **error)
+{
+  g_autoptr(MoeTensor) g = linear (d, &L->gate, x, 0, d->m->hidden, rows, error);
+  g_autoptr(MoeTensor) u = g ? linear (d, &L->up, x, 0, d->m->hidden, rows, error) : NULL;
+
+  if (u == NULL)
+    return NULL;
+  moe_cuda_act_mul (d->dtype, DATA (g), DATA (u), (gsize) rows * L->gate.out, d->m->act_fn, d->dev->stream);
+  return linear (d, &L->down, g, 0, L->gate.out, rows, error);
+}
+
+static MoeTensor *
+moe_block (Decoder *d, guint li, MoeTensor *x, int rows, GError **error)
+{
+  const MoeTransformer *m = d->m;
+  const DevLayer *L = &d->layer[li];
+  gint64 ks[2] = { rows, m->top_k };
+  g_autoptr(MoeTensor) ids = moe_tensor_new_empty (MOE_DEVICE (d->dev), MOE_DTYPE_I64, ks, 2, error);
+  g_autoptr(MoeTensor) w = ids ? new_f32 (d, rows, m->top_k, error) : NULL;
+  g_autoptr(MoeTensor) y = NULL;
+  MoeCudaRouter r = {
+    .dtype = d->dtype, .rows = rows, .hidden = m->hidden, .num_experts = m->num_experts, .top_k = m->top_k,
+    .kind = m->router_kind, .norm_topk = m->norm_topk, .weights_in_act_dtype = m->weights_in_act_dtype,
+    .routed_scale = m->routed_scale, .n_group = m->n_group, .topk_group = m->topk_group,
+  };
+
+  if (w == NULL)
+    return NULL;
+  r.x = DATA (x);
+  r.weight = DATA (L->router);
+  r.bias = OPT (L->router_bias);
+  r.score_bias = OPT (L->score_bias);
+  r.ids = DATA (ids);
+  r.weights = DATA (w);
+  moe_cuda_route (&r, d->dev->stream);
+
+  y = moe_experts_forward (m->layer[li].experts, x, ids, w, error);
+  if (y == NULL)
+    return NULL;
+  if (m->has_shared)
+    {
+      g_autoptr(MoeTensor) shared = mlp (d, L, x, rows, error);
+      g_autoptr(MoeTensor) gate = NULL;
+      if (shared == NULL)
+        return NULL;
+      if (m->shared_gated && (gate = linear (d, &L->shared_gate, x, 0, m->hidden, rows, error)) == NULL)
+        return NULL;
+      moe_cuda_add_gated (d->dtype, DATA (y), DATA (shared), OPT (gate), rows, m->hidden, d->dev->stream);
+    }
+  return g_steal_pointer (&y);
+}
+
+static MoeTensor *
+upload (Decoder *d, MoeDType dtype, gconstpointer data, gint64 n, GError **error)
+{
+  g_autoptr(GBytes) bytes = g_bytes_new_static (data, n * moe_dtype_get_size (dtype));
+  g_autoptr(MoeTensor) host = moe_tensor_new_from_bytes (dtype, &n, 1, bytes, error);
+  return host ? moe_tensor_to_device (host, MOE_DEVICE (d->dev), error) : NULL;
+}
+
+gboolean
+moe_cuda_decoder_forward (MoeDevice  *device,
+                          gpointer    decoder,
+                          gpointer    step,
+                          GError    **error)
+{
+  Decoder *d = decoder;
+  const MoeTransformer *m = d->m;
+  MoeDecoderStep *st = step;
+  MoeKvCache *kv = st->cache;
+  int rows = st->batch * st->n_tokens, H = m->hidden, out_rows = st->last_only ? (int) st->batch : rows;
+  g_autoptr(MoeTensor) ids = NULL, positions = NULL, key_valid = NULL;
+  g_autoptr(MoeTensor) h = NULL, x = NULL, y = NULL, xf = NULL, logits = NULL, logits_f32 = NULL;
+  DevCache *c;
+  Step s = { st, NULL, kv->length, rows, NULL, NULL };
+
+  if (kv->device_cache == NULL)
+    {
+      c = g_new0 (DevCache, 1);
+      c->batch = st->batch;
+      c->layers = m->layers;
+      c->k = g_new0 (MoeTensor *, m->layers);
+      c->v = g_new0 (MoeTensor *, m->layers);
+      kv->device_cache = c;
+    }
+  c = s.cache = kv->device_cache;
+  if (!cache_reserve (d, c, s.past, s.past + st->n_tokens, error))
+    return FALSE;
+
+  ids = upload (d, MOE_DTYPE_I64, st->ids, rows, error);
+  positions = ids ? upload (d, MOE_DTYPE_I64, st->positions, rows, error) : NULL;
+  if (positions == NULL)
+    return FALSE;
+  if (st->key_valid != NULL &&
+      (key_valid = upload (d, MOE_DTYPE_U8, st->key_valid, (gint64) st->batch * (s.past + st->n_tokens), error)) == NULL)
+    return FALSE;
+  s.positions = positions;
+  s.key_valid = key_valid;
+
+  if ((h = new_act (d, rows, H, error)) == NULL || (x = new_act (d, rows, H, error)) == NULL)
+    return FALSE;
+  moe_cuda_embed (d->dtype, DATA (d->embed), DATA (ids), rows, H, DATA (h), d->dev->stream);
+
+  for (guint li = 0; li < m->layers; li++)
+    {
+      const DevLayer *L = &d->layer[li];
+      g_autoptr(MoeTensor) a = NULL;
+
+      /* the previous layer's residual add, fused with this norm */
+      norm (d, h, 0, y, rows, H, H, L->input_norm, x, 0, H);
+      a = m->family == FAMILY_DEEPSEEK_V3 ? attention_mla (d, &s, li, x, error) : attention_gqa (d, &s, li, x, error);
+      if (a == NULL)
+        return FALSE;
+      norm (d, h, 0, a, rows, H, H, L->post_norm, x, 0, H);
+      g_clear_object (&y);
+      y = m->layer[li].is_moe ? moe_block (d, li, x, rows, error) : mlp (d, L, x, rows, error);
+      if (y == NULL)
+        return FALSE;
+    }
+
+  /* the last residual add and the final norm, on the rows that make logits */
+  if ((xf = new_act (d, out_rows, H, error)) == NULL)
+    return FALSE;
+  if (st->last_only)
+    norm (d, h, (gsize) (st->n_tokens - 1) * H, y, st->batch, H, st->n_tokens * H, d->final_norm, xf, 0, H);
+  else
+    norm (d, h, 0, y, rows, H, H, d->final_norm, xf, 0, H);
+  {
+    DevLinear head = { d->lm_head, NULL, m->vocab, H };
+    logits = linear (d, &head, xf, 0, H, out_rows, error);
+  }
+  if (logits == NULL || (logits_f32 = new_f32 (d, out_rows, m->vocab, error)) == NULL)
+    return FALSE;
+  moe_cuda_to_f32 (d->dtype, DATA (logits), (gsize) out_rows * m->vocab, DATA (logits_f32), d->dev->stream);
+  return moe_cuda_check (cudaGetLastError (), "the decoder's kernels", error) &&
+         moe_cuda_check (cudaMemcpyAsync (st->logits, DATA (logits_f32), (gsize) out_rows * m->vocab * sizeof (float),
+                                          cudaMemcpyDeviceToHost, d->dev->stream), "copying the logits", error) &&
+         moe_device_synchronize (device, error);
+}

@@ -1,0 +1,64 @@
+/* moe-cuda-device-private.h: the cuda device's state, shared by its
+ * experts (moe-cuda-device.c) and whole-model (moe-cuda-decoder.c) halves
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+
+#include <moe-plugin.h>
+
+G_BEGIN_DECLS
+
+#define MOE_TYPE_CUDA_DEVICE (moe_cuda_device_get_type ())
+G_DECLARE_FINAL_TYPE (MoeCudaDevice, moe_cuda_device, MOE, CUDA_DEVICE, MoeDevice)
+
+struct _MoeCudaDevice
+{
+  MoeDevice       parent_instance;
+
+  cudaStream_t    stream;
+  cublasHandle_t  cublas;
+  char           *init_error;    /* why the stream or cuBLAS could not be made */
+
+  /* the experts kernels check the ids on the device and report the first
+   * bad one here (mapped host memory), read at the next synchronization */
+  volatile long long *bad_id;    /* {t * K + k + 1, id}, or {0, …} */
+  long long      *bad_id_device;
+  int             bad_id_experts, bad_id_top_k;   /* of the latest forward */
+
+  GMutex          lock;          /* the allocator's tables, the cuBLAS handle, bad_id */
+  GHashTable     *in_use;        /* device pointer -> its size class */
+  GHashTable     *free_blocks;   /* size class -> GSList of device pointers */
+
+  int             cc_major, cc_minor;   /* compute capability */
+  char           *gpu_name;
+
+  /* deepgemm: the toolkit its kernels are compiled with (found on the
+   * first forward that needs it) and the kernels compiled so far */
+  GMutex          jit_lock;
+  MoeCudaToolkit  toolkit;
+  gboolean        have_toolkit;
+  GHashTable     *jit_kernels;   /* "fp8|bf16 H I" -> JitKernels */
+};
+
+gboolean moe_cuda_check              (cudaError_t    err,
+                                      const char    *what,
+                                      GError       **error);
+
+/* moe-cuda-decoder.c: MoeDeviceClass's decoder vfuncs */
+gpointer moe_cuda_decoder_new        (MoeDevice     *device,
+                                      gconstpointer  model,
+                                      GError       **error);
+void     moe_cuda_decoder_free       (MoeDevice     *device,
+                                      gpointer       decoder);
+gboolean moe_cuda_decoder_forward    (MoeDevice     *device,
+                                      gpointer       decoder,
+                                      gpointer       step,
+                                      GError       **error);
+void     moe_cuda_decoder_cache_free (MoeDevice     *device,
+                                      gpointer       cache);
+
+G_END_DECLS

@@ -1,0 +1,246 @@
+/* test-cuda-model.c: whole models on the cuda device against transformers'
+ * fixtures (the same references and tolerances as tests/c/test-model.c on
+ * the CPU), the automatic decode switch there, and load errors.
+ *
+ * Exits 77 (skipped) where there is no CUDA device or no CUDA build.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include <libmoe.h>
+#include <moe-plugin.h>
+
+#include "moe-test-util.h"
+
+static const char *families[] = {
+  "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe",
+};
+static const char *backends[] = { "eager", "batched_mm", "grouped_mm" };
+
+static MoeModel *
+load_model (const char *family, const char *dtype)
+{
+  g_autoptr(GError) error = NULL;
+  g_autofree char *path = moe_test_data_path ("models", family, NULL);
+  g_autoptr(MoeLoadOptions) opts = moe_load_options_new ();
+  MoeModel *model;
+
+  moe_load_options_set_dtype (opts, dtype);
+  moe_load_options_set_device (opts, "cuda");
+  model = moe_model_new_from_pretrained (path, opts, NULL, &error);
+  g_assert_no_error (error);
+  g_assert_cmpstr (moe_model_get_device (model), ==, "cuda");
+  return model;
+}
+
+static MoeTensor *
+reference (const char *family, const char *file, const char *name)
+{
+  g_autoptr(GError) error = NULL;
+  g_autofree char *path = moe_test_data_path ("models", family, file, NULL);
+  g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (path, &error);
+  MoeTensor *t;
+
+  g_assert_no_error (error);
+  t = moe_checkpoint_get_tensor (ck, name, &error);
+  g_assert_no_error (error);
+  return t;
+}
+
+static MoeTensor *
+first_row (MoeTensor *ids)
+{
+  gint64 shape[2] = { 1, moe_tensor_get_dim (ids, 1) };
+  g_autoptr(GBytes) all = moe_tensor_dup_bytes (ids, NULL);
+  g_autoptr(GBytes) row = g_bytes_new_from_bytes (all, 0, shape[1] * sizeof (gint64));
+  return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, row, NULL);
+}
+
+/* fp32 logits within 1e-4 and greedy generation token for token, with
+ * every backend (float32 matmuls without TF32) */
+static void
+test_family_f32 (gconstpointer data)
+{
+  const char *family = data;
+  g_autoptr(MoeModel) model = load_model (family, "float32");
+  g_autoptr(MoeTensor) ids = reference (family, "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) ref = reference (family, "reference.safetensors", "logits");
+  g_autoptr(MoeTensor) generated = reference (family, "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
+
+  g_object_set (cfg, "max-new-tokens", 12, NULL);
+  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
+    {
+      g_autoptr(GError) error = NULL;
+      g_autoptr(MoeTensor) logits = NULL, out = NULL;
+      double err;
+
+      g_assert_true (moe_model_set_experts_implementation (model, backends[i], &error));
+      logits = moe_model_forward (model, ids, &error);
+      g_assert_no_error (error);
+      err = moe_test_rel_error (logits, ref);
+      g_test_message ("cuda %s f32 %s: logits rel err %.3g", family, backends[i], err);
+      g_assert_cmpfloat (err, <=, 1e-4);
+
+      out = moe_model_generate (model, prompt, cfg, NULL, &error);
+      g_assert_no_error (error);
+      g_assert_true (moe_tensor_has_shape (out, moe_tensor_get_shape (generated, NULL), 2));
+      g_assert_cmpmem (moe_tensor_get_data (out), moe_tensor_get_n_bytes (out),
+                       moe_tensor_get_data (generated), moe_tensor_get_n_bytes (generated));
+    }
+}
+
+/* bf16 logits within 2e-2 of transformers' bf16 logits with the same backend */
+static void
+test_family_bf16 (gconstpointer data)
+{
+  const char *family = data;
+  g_autoptr(MoeModel) model = load_model (family, "bfloat16");
+  g_autoptr(MoeTensor) ids = reference (family, "reference.safetensors", "input_ids");
+
+  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
+    {
+      g_autoptr(GError) error = NULL;
+      g_autofree char *name = g_strdup_printf ("logits_bf16_%s", backends[i]);
+      g_autoptr(MoeTensor) ref = reference (family, "reference_bf16_backends.safetensors", name);
+      g_autoptr(MoeTensor) logits = NULL;
+      double err;
+
+      g_assert_true (moe_model_set_experts_implementation (model, backends[i], &error));
+      logits = moe_model_forward (model, ids, &error);
+      g_assert_no_error (error);
+      err = moe_test_rel_error (logits, ref);
+      g_test_message ("cuda %s bf16 %s: rel err %.3g vs transformers' %s", family, backends[i], err, backends[i]);
+      g_assert_cmpfloat (err, <=, 2e-2);
+    }
+}
+
+static void
+on_changed (MoeModel *model, const char *key, const char *old_name, const char *new_name, gpointer data)
+{
+  g_ptr_array_add (data, g_strdup_printf ("%s:%s>%s", key, old_name, new_name));
+}
+
+static void
+on_phase (MoeModel *model, MoePhase phase, gpointer data)
+{
+  char **seen = data;
+  if (phase == MOE_PHASE_DECODE)
+    {
+      g_free (*seen);
+      *seen = moe_model_dup_experts_implementation_name (model);
+    }
+}
+
+/* On cuda the default policy switches grouped_mm to batched_mm for the
+ * decode loop, visibly, and back; the tokens do not change. */
+static void
+test_decode_switch (void)
+{
+  g_autoptr(MoeModel) model = load_model ("qwen3_moe", "float32");
+  g_autoptr(MoeTensor) ids = reference ("qwen3_moe", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) generated = reference ("qwen3_moe", "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
+  g_autoptr(GPtrArray) events = g_ptr_array_new_with_free_func (g_free);
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeTensor) out = NULL;
+  g_autofree char *seen = NULL;
+
+  g_object_set (cfg, "max-new-tokens", 12, NULL);
+  g_assert_true (moe_model_set_experts_implementation (model, "grouped_mm", &error));
+  g_signal_connect (model, "experts-implementation-changed", G_CALLBACK (on_changed), events);
+  g_signal_connect (model, "phase-changed", G_CALLBACK (on_phase), &seen);
+  out = moe_model_generate (model, prompt, cfg, NULL, &error);
+  g_assert_no_error (error);
+  g_assert_cmpmem (moe_tensor_get_data (out), moe_tensor_get_n_bytes (out),
+                   moe_tensor_get_data (generated), moe_tensor_get_n_bytes (generated));
+  g_assert_cmpstr (seen, ==, "batched_mm");
+  g_assert_cmpuint (events->len, ==, 2);
+  g_assert_cmpstr (events->pdata[0], ==, ":grouped_mm>batched_mm");
+  g_assert_cmpstr (events->pdata[1], ==, ":batched_mm>grouped_mm");
+}
+
+/* Batched generation with padding: two prompts of different lengths,
+ * left-padded, give each prompt's own greedy tokens. */
+static void
+test_padded_batch (void)
+{
+  g_autoptr(MoeModel) model = load_model ("qwen2_moe", "float32");
+  g_autoptr(MoeTensor) ids = reference ("qwen2_moe", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) generated = reference ("qwen2_moe", "reference.safetensors", "generated");
+  g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeTensor) batch = NULL, mask = NULL, out = NULL;
+  const gint64 *src = moe_tensor_get_data (ids);
+  gint64 T = moe_tensor_get_dim (ids, 1), shape[2] = { 2, T };
+  g_autofree gint64 *two = g_new (gint64, 2 * T);
+  g_autofree guint8 *valid = g_new (guint8, 2 * T);
+  const gint64 *got, *want = moe_tensor_get_data (generated);
+
+  /* row 0: the fixture's prompt; row 1: its last T-3 tokens, left-padded */
+  for (gint64 t = 0; t < T; t++)
+    {
+      two[t] = src[t];
+      valid[t] = 1;
+      two[T + t] = t < 3 ? 0 : src[t];
+      valid[T + t] = t >= 3;
+    }
+  batch = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, g_bytes_new_take (g_memdup2 (two, 2 * T * 8), 2 * T * 8), NULL);
+  mask = moe_tensor_new_from_bytes (MOE_DTYPE_U8, shape, 2, g_bytes_new_take (g_memdup2 (valid, 2 * T), 2 * T), NULL);
+  g_object_set (cfg, "max-new-tokens", 12, NULL);
+  out = moe_model_generate_with_mask (model, batch, mask, cfg, NULL, &error);
+  g_assert_no_error (error);
+  g_assert_cmpint (moe_tensor_get_dim (out, 0), ==, 2);
+  got = moe_tensor_get_data (out);
+  /* row 0 is the fixture's own greedy generation */
+  for (gint64 i = 0; i < moe_tensor_get_dim (generated, 1); i++)
+    g_assert_cmpint (got[i], ==, want[i]);
+}
+
+/* what the device refuses says so */
+static void
+test_errors (void)
+{
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeLoadOptions) opts = moe_load_options_new ();
+  g_autofree char *path = moe_test_data_path ("models", "qwen3_moe", NULL);
+  g_autoptr(MoeModel) model = NULL;
+  g_autoptr(MoeTensor) ids = NULL;
+  gint64 shape[2] = { 1, 2 }, bad[2] = { 0, 1 << 30 };
+
+  moe_load_options_set_device (opts, "cuda");
+  model = moe_model_new_from_pretrained (path, opts, NULL, &error);
+  g_assert_no_error (error);
+  ids = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, g_bytes_new (bad, sizeof bad), NULL);
+  g_assert_null (moe_model_forward (model, ids, &error));
+  g_assert_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT);
+}
+
+int
+main (int argc, char *argv[])
+{
+  g_autoptr(GError) error = NULL;
+  MoeDevice *cuda;
+
+  g_test_init (&argc, &argv, NULL);
+
+  cuda = moe_device_get_for_name ("cuda", &error);
+  if (cuda == NULL)
+    {
+      g_printerr ("%s\n", error->message);
+      return g_error_matches (error, MOE_ERROR, MOE_ERROR_NO_DEVICE) ? 77 : 1;
+    }
+
+  for (guint i = 0; i < G_N_ELEMENTS (families); i++)
+    {
+      g_autofree char *p32 = g_strdup_printf ("/cuda/model/f32/%s", families[i]);
+      g_autofree char *p16 = g_strdup_printf ("/cuda/model/bf16/%s", families[i]);
+      g_test_add_data_func (p32, families[i], test_family_f32);
+      g_test_add_data_func (p16, families[i], test_family_bf16);
+    }
+  g_test_add_func ("/cuda/model/decode-switch", test_decode_switch);
+  g_test_add_func ("/cuda/model/padded-batch", test_padded_batch);
+  g_test_add_func ("/cuda/model/errors", test_errors);
+  return g_test_run ();
+}
