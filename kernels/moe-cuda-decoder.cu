@@ -255,6 +255,73 @@ attention_kernel (MoeCudaAttention a)
     }
 }
 
+template <typename T>
+__global__ void
+attention_softmax_kernel (MoeCudaSoftmax a)
+{
+  int r = blockIdx.x, i = r / a.rows, tt = r % a.rows;
+  int b = i / a.heads, h = i % a.heads, qpos = a.past + a.t0 + tt, full = a.past + a.n_tokens;
+  const float *s = a.scores + (size_t) r * a.len;
+  T *p = (T *) a.probs + (size_t) r * a.len;
+  const uint8_t *valid = a.key_valid != nullptr ? a.key_valid + (size_t) b * full : nullptr;
+  float mx = -INFINITY, sum = 0;
+
+  /* the key's score, or -inf where it may not be attended to */
+  auto score = [&] (int j) -> float {
+    if (j > qpos || (valid != nullptr && !valid[j]) || (a.window != 0 && qpos - j >= a.window))
+      return -INFINITY;
+    return a.eager ? rnd<T> (s[j]) : s[j];
+  };
+  /* the first C·blockDim scores stay in registers: one read of them */
+  constexpr int C = 16;
+  float v[C];
+#pragma unroll
+  for (int c = 0; c < C; c++)
+    {
+      int j = threadIdx.x + c * blockDim.x;
+      v[c] = j < a.len ? score (j) : -INFINITY;
+      mx = fmaxf (mx, v[c]);
+    }
+  for (int j = threadIdx.x + C * blockDim.x; j < a.len; j += blockDim.x)
+    mx = fmaxf (mx, score (j));
+  mx = block_reduce<true> (mx);
+  if (a.sinks != nullptr)
+    mx = fmaxf (mx, a.sinks[h]);
+  if (mx == -INFINITY)
+    {
+      for (int j = threadIdx.x; j < a.len; j += blockDim.x)
+        p[j] = from_f<T> (0.0f);
+      return;
+    }
+#pragma unroll
+  for (int c = 0; c < C; c++)
+    {
+      v[c] = v[c] == -INFINITY ? 0.0f : expf (v[c] - mx);
+      sum += v[c];
+    }
+  for (int j = threadIdx.x + C * blockDim.x; j < a.len; j += blockDim.x)
+    {
+      float e = score (j);
+      sum += e == -INFINITY ? 0.0f : expf (e - mx);
+    }
+  sum = block_reduce<false> (sum);
+  if (a.sinks != nullptr)
+    sum += expf (a.sinks[h] - mx);
+  float inv = 1.0f / sum;
+#pragma unroll
+  for (int c = 0; c < C; c++)
+    {
+      int j = threadIdx.x + c * blockDim.x;
+      if (j < a.len)
+        p[j] = from_f<T> (v[c] * inv);
+    }
+  for (int j = threadIdx.x + C * blockDim.x; j < a.len; j += blockDim.x)
+    {
+      float e = score (j);
+      p[j] = from_f<T> (e == -INFINITY ? 0.0f : expf (e - mx) * inv);
+    }
+}
+
 /* The warp's top choice among @n values not yet taken: the largest, the
  * lower index on ties (torch.topk's order for the fixtures' distinct
  * values), in every lane. */
@@ -283,42 +350,27 @@ warp_argmax (const float *v, const unsigned char *taken, int n)
   return bi;
 }
 
-/* One block per row: the logits (a warp per expert), then the choice in
- * warp 0, as moe-transformer.c's route(). */
+/* One block (a warp) per row: the choice, as moe-transformer.c's route(). */
 template <typename T>
 __global__ void
 route_kernel (MoeCudaRouter r)
 {
   extern __shared__ float sm[];
   int E = r.num_experts, K = r.top_k;
-  float *xs = sm, *logits = xs + r.hidden, *choice = logits + E, *sig = choice + E;
+  float *logits = sm, *choice = logits + E, *sig = choice + E;
   unsigned char *taken = (unsigned char *) (sig + E);
-  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
-  const T *x = (const T *) r.x + blockIdx.x * (size_t) r.hidden;
+  int lane = threadIdx.x % 32;
   int64_t *ids = r.ids + blockIdx.x * (size_t) K;
   float *w = r.weights + blockIdx.x * (size_t) K;
 
-  for (int i = threadIdx.x; i < r.hidden; i += blockDim.x)
-    xs[i] = to_f (x[i]);
-  for (int e = threadIdx.x; e < E; e += blockDim.x)
-    taken[e] = 0;
-  __syncthreads ();
-  for (int e = warp; e < E; e += nw)
+  for (int e = lane; e < E; e += 32)
     {
-      const float *we = r.weight + (size_t) e * r.hidden;
-      float acc = 0;
-      for (int i = lane; i < r.hidden; i += 32)
-        acc += xs[i] * we[i];
-      acc = warp_sum (acc);
-      if (r.bias != nullptr)
-        acc += r.bias[e];
-      if (lane == 0)
-        /* DeepSeek routes in float32 whatever the model dtype */
-        logits[e] = r.kind == MOE_CUDA_ROUTER_SIGMOID_GROUPED ? acc : rnd<T> (acc);
+      float v = r.logits[blockIdx.x * (size_t) E + e] + (r.bias != nullptr ? r.bias[e] : 0.0f);
+      /* DeepSeek routes in float32 whatever the model dtype */
+      logits[e] = r.kind == MOE_CUDA_ROUTER_SIGMOID_GROUPED ? v : rnd<T> (v);
+      taken[e] = 0;
     }
-  __syncthreads ();
-  if (warp != 0)
-    return;
+  __syncwarp ();
 
   if (r.kind == MOE_CUDA_ROUTER_SOFTMAX_TOPK)
     {
@@ -438,6 +490,56 @@ route_kernel (MoeCudaRouter r)
             sum += (w[k] = expf (logits[ids[k]] - mx));
           for (int k = 0; k < K; k++)
             w[k] = rnd<T> (w[k] / sum);
+        }
+    }
+}
+
+/* a warp per output n: 16-byte loads of its weight row, each against the
+ * R input rows (which stay in L1/L2) */
+template <typename T, int R>
+__global__ void __launch_bounds__ (256)
+gemv_kernel (const T *W, int out, int in, const T *x, int ldx, const T *bias, void *y, int y_f32)
+{
+  constexpr int V = 16 / sizeof (T);
+  int n = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const T *w = W + (size_t) n * in;
+  float acc[R] = {};
+
+  if (n >= out)
+    return;
+  if ((((uintptr_t) x | (uintptr_t) W) % 16 == 0) && in % V == 0 && ldx % V == 0)
+    for (int k = lane * V; k < in; k += 32 * V)
+      {
+        uint4 wv = __ldg ((const uint4 *) (w + k));
+        const T *we = (const T *) &wv;
+#pragma unroll
+        for (int r = 0; r < R; r++)
+          {
+            uint4 xv = __ldg ((const uint4 *) (x + (size_t) r * ldx + k));
+            const T *xe = (const T *) &xv;
+#pragma unroll
+            for (int q = 0; q < V; q++)
+              acc[r] += to_f (we[q]) * to_f (xe[q]);
+          }
+      }
+  else
+    for (int k = lane; k < in; k += 32)
+      {
+        float wk = to_f (w[k]);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+          acc[r] += wk * to_f (x[(size_t) r * ldx + k]);
+      }
+#pragma unroll
+  for (int r = 0; r < R; r++)
+    {
+      float v = warp_sum (acc[r]) + (bias != nullptr ? to_f (bias[n]) : 0.0f);
+      if (lane == 0)
+        {
+          if (y_f32)
+            ((float *) y)[(size_t) r * out + n] = v;
+          else
+            ((T *) y)[(size_t) r * out + n] = from_f<T> (v);
         }
     }
 }
@@ -563,15 +665,37 @@ moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
 }
 
 extern "C" void
+moe_cuda_attention_softmax (const MoeCudaSoftmax *a, cudaStream_t s)
+{
+  DISPATCH (a->dtype, attention_softmax_kernel<T><<<a->batch * a->heads * a->rows, 256, 0, s>>> (*a));
+}
+
+extern "C" void
 moe_cuda_route (const MoeCudaRouter *r, cudaStream_t s)
 {
-  /* x, logits, choice, sig (float), taken (bytes, padded), group scores */
-  size_t smem = (size_t) (r->hidden + 3 * r->num_experts) * sizeof (float) + ((r->num_experts + 15) / 16) * 16 +
+  /* logits, choice, sig (float), taken (bytes, padded), group scores */
+  size_t smem = (size_t) 3 * r->num_experts * sizeof (float) + ((r->num_experts + 15) / 16) * 16 +
                 (size_t) (r->n_group > 0 ? r->n_group : 1) * sizeof (float);
   DISPATCH (r->dtype,
             if (smem > 48 * 1024)
               cudaFuncSetAttribute (route_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
-            route_kernel<T><<<r->rows, 256, smem, s>>> (*r));
+            route_kernel<T><<<r->rows, 32, smem, s>>> (*r));
+}
+
+extern "C" void
+moe_cuda_gemv (int dtype, const void *w, int out, int in, const void *x, int ldx, int rows, const void *bias,
+               void *y, int y_f32, cudaStream_t s)
+{
+  unsigned blocks = (unsigned) ((out + 7) / 8);
+#define GEMV_ROWS(R) case R: gemv_kernel<T, R><<<blocks, 256, 0, s>>> ((const T *) w, out, in, (const T *) x, ldx, \
+                                                                     (const T *) bias, y, y_f32); break
+  DISPATCH (dtype,
+            switch (rows)
+              {
+              GEMV_ROWS (1); GEMV_ROWS (2); GEMV_ROWS (3); GEMV_ROWS (4);
+              GEMV_ROWS (5); GEMV_ROWS (6); GEMV_ROWS (7); default: GEMV_ROWS (8);
+              });
+#undef GEMV_ROWS
 }
 
 extern "C" void

@@ -75,15 +75,32 @@ typedef struct {
 /* Returns NULL, or a static message saying what failed. */
 const char *moe_cuda_attention       (const MoeCudaAttention *a, cudaStream_t stream);
 
+/* Attention for many queries as two batched cuBLAS GEMMs around this: the
+ * masked softmax of the scores [B*heads][rows][len] (float32, already
+ * scaled) of queries t0…t0+rows-1, written as probabilities in the model
+ * dtype, ready for the product with the values. */
 typedef struct {
   int dtype;
-  int rows, hidden, num_experts, top_k;
+  int batch, heads, n_tokens, past;     /* the step: keys 0…past+n_tokens-1 exist */
+  int t0, rows, len;                    /* this chunk's queries, and the keys it reads */
+  const float *scores;
+  void *probs;
+  const uint8_t *key_valid;             /* [B][past+n_tokens] or NULL */
+  int window;
+  const float *sinks;
+  int eager;
+} MoeCudaSoftmax;
+
+void moe_cuda_attention_softmax (const MoeCudaSoftmax *s, cudaStream_t stream);
+
+typedef struct {
+  int dtype;
+  int rows, num_experts, top_k;
   int kind;                             /* MOE_CUDA_ROUTER_* */
   int norm_topk, weights_in_act_dtype;
   float routed_scale;
   int n_group, topk_group;
-  const void *x;                        /* [rows, hidden] */
-  const float *weight;                  /* [E, hidden] */
+  const float *logits;                  /* [rows, E]: x · routerᵀ in float32 */
   const float *bias;                    /* [E] or NULL: added to the logits */
   const float *score_bias;              /* [E] or NULL: DeepSeek's choice bias */
   int64_t *ids;                         /* [rows, top_k] */
@@ -103,6 +120,14 @@ void moe_cuda_add_gated      (int dtype, void *y, const void *s, const void *gat
 /* y = (acc + bias) rounded to dtype, over rows of @width */
 void moe_cuda_bias_round     (int dtype, const float *acc, const void *bias, int rows, int width, void *y,
                               cudaStream_t stream);
+
+/* y [rows, out] = x [rows, in] (rows @ldx apart) · wᵀ (+ bias) for a few
+ * rows (≤ MOE_CUDA_GEMV_ROWS): a warp per output, weights read once, at
+ * the memory's speed where a GEMM library's tiles would leave most of the
+ * GPU idle. y is float32 (unrounded) with @y_f32, else the model dtype. */
+#define MOE_CUDA_GEMV_ROWS 8
+void moe_cuda_gemv           (int dtype, const void *w, int out, int in, const void *x, int ldx, int rows,
+                              const void *bias, void *y, int y_f32, cudaStream_t stream);
 
 /* y = x as float32 */
 void moe_cuda_to_f32         (int dtype, const void *x, size_t n, float *y, cudaStream_t stream);

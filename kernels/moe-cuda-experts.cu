@@ -277,12 +277,16 @@ rowwise (MoeCudaExperts p, const TA *src_rows, T *h, T *y)
 
 /* ---- combine: out[t] = Σ_k w[t,k] · y[t*K + k], in slot order --------- */
 
-template <typename T>
+/* The weighted sum of each token's K slot outputs. EAGER: as transformers'
+ * eager loop, expert by expert in ascending id order, each contribution
+ * rounded to the dtype and added to the dtype-rounded sum (index_add_ on a
+ * bf16 tensor); otherwise one float32 sum, rounded once. */
+template <typename T, bool EAGER>
 __global__ void __launch_bounds__ (256)
 combine (MoeCudaExperts p, const T *y)
 {
   __shared__ float wk[64];
-  __shared__ int live[64];
+  __shared__ int live[64], order[64];
   const int t = blockIdx.x, K = p.top_k, H = p.hidden, E = p.num_experts;
   constexpr int V = 16 / sizeof (T);
 
@@ -300,6 +304,15 @@ combine (MoeCudaExperts p, const T *y)
       live[k] = (unsigned long long) id < (unsigned long long) E;
       wk[k] = load_any (p.routing, p.routing_dtype, (size_t) t * K + k);
     }
+  if (threadIdx.x == 0)
+    for (int k = 0; k < K; k++)
+      {
+        /* insertion sort of the slots by expert id (K ≤ 64) */
+        int j = k;
+        for (; j > 0 && p.ids[(size_t) t * K + order[j - 1]] > p.ids[(size_t) t * K + k]; j--)
+          order[j] = order[j - 1];
+        order[j] = k;
+      }
   __syncthreads ();
 
   T *out = (T *) p.out + (size_t) t * H;
@@ -307,15 +320,17 @@ combine (MoeCudaExperts p, const T *y)
     for (int n = threadIdx.x * V; n < H; n += blockDim.x * V)
       {
         float acc[V] = {};
-        for (int k = 0; k < K; k++)
-          if (live[k])
-            {
-              uint4 v = *(const uint4 *) (y + ((size_t) t * K + k) * H + n);
-              const T *e = (const T *) &v;
+        for (int i = 0; i < K; i++)
+          {
+            int k = EAGER ? order[i] : i;
+            if (!live[k])
+              continue;
+            uint4 v = *(const uint4 *) (y + ((size_t) t * K + k) * H + n);
+            const T *e = (const T *) &v;
 #pragma unroll
-              for (int q = 0; q < V; q++)
-                acc[q] += to_f (e[q]) * wk[k];
-            }
+            for (int q = 0; q < V; q++)
+              acc[q] = EAGER ? rnd<T> (acc[q] + rnd<T> (to_f (e[q]) * wk[k])) : acc[q] + to_f (e[q]) * wk[k];
+          }
         uint4 o;
         T *oe = (T *) &o;
 #pragma unroll
@@ -327,9 +342,14 @@ combine (MoeCudaExperts p, const T *y)
     for (int n = threadIdx.x; n < H; n += blockDim.x)
       {
         float acc = 0.0f;
-        for (int k = 0; k < K; k++)
-          if (live[k])
-            acc += to_f (y[((size_t) t * K + k) * H + n]) * wk[k];
+        for (int i = 0; i < K; i++)
+          {
+            int k = EAGER ? order[i] : i;
+            if (!live[k])
+              continue;
+            float c = to_f (y[((size_t) t * K + k) * H + n]) * wk[k];
+            acc = EAGER ? rnd<T> (acc + rnd<T> (c)) : acc + c;
+          }
         out[n] = from_f<T> (acc);
       }
 }
@@ -489,9 +509,12 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
 
 template <typename T>
 const char *
-launch_combine (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+launch_combine (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, bool eager = false)
 {
-  combine<T><<<p.tokens, 256, 0, s>>> (p, (const T *) w.y);
+  if (eager)
+    combine<T, true><<<p.tokens, 256, 0, s>>> (p, (const T *) w.y);
+  else
+    combine<T, false><<<p.tokens, 256, 0, s>>> (p, (const T *) w.y);
   return nullptr;
 }
 
@@ -923,7 +946,7 @@ run_per_expert (const MoeCudaExperts &p, const int64_t *host_ids, const Workspac
         }
       scatter_rows<T><<<rows, 256, 0, s>>> (p, (const T *) w.ys, w.r.sorted_pair, w.row_expert, (T *) w.y);
     }
-  return launch_combine<T> (p, w, s);
+  return launch_combine<T> (p, w, s, true);
 }
 
 template <typename T>

@@ -26,8 +26,9 @@ typedef struct {
 
 typedef struct {
   MoeTensor *input_norm, *post_norm, *q_norm, *k_norm, *q_a_norm, *kv_a_norm;
-  MoeTensor *sinks, *router, *router_bias, *score_bias;
+  MoeTensor *sinks, *router_bias, *score_bias;
   DevLinear  q, k, v, o, q_a, q_b, kv_a, kv_b, gate, up, down, shared_gate;
+  DevLinear  router;           /* in the model dtype: a bf16 model's router weights are bf16 values */
 } DevLayer;
 
 typedef struct {
@@ -106,9 +107,9 @@ moe_cuda_decoder_free (MoeDevice *device,
     {
       DevLayer *L = &d->layer[i];
       MoeTensor **ts[] = { &L->input_norm, &L->post_norm, &L->q_norm, &L->k_norm, &L->q_a_norm, &L->kv_a_norm,
-                           &L->sinks, &L->router, &L->router_bias, &L->score_bias };
+                           &L->sinks, &L->router_bias, &L->score_bias };
       DevLinear *lins[] = { &L->q, &L->k, &L->v, &L->o, &L->q_a, &L->q_b, &L->kv_a, &L->kv_b,
-                            &L->gate, &L->up, &L->down, &L->shared_gate };
+                            &L->gate, &L->up, &L->down, &L->shared_gate, &L->router };
       for (guint j = 0; j < G_N_ELEMENTS (ts); j++)
         g_clear_object (ts[j]);
       for (guint j = 0; j < G_N_ELEMENTS (lins); j++)
@@ -186,7 +187,16 @@ moe_cuda_decoder_new (MoeDevice      *device,
       UP (D->q_a_norm, L->q_a_norm, m->q_lora);
       UP (D->kv_a_norm, L->kv_a_norm, m->kv_lora);
       UP (D->sinks, L->sinks, m->heads);
-      UP (D->router, L->router, (gint64) m->num_experts * H);
+      if (L->router != NULL)
+        {
+          gint64 shape[2] = { m->num_experts, H };
+          g_autoptr(GBytes) bytes = g_bytes_new_static (L->router, shape[0] * shape[1] * sizeof (float));
+          g_autoptr(MoeTensor) f32 = moe_tensor_new_from_bytes (MOE_DTYPE_F32, shape, 2, bytes, &local);
+          g_autoptr(MoeTensor) typed = f32 ? moe_tensor_to_dtype (f32, m->dtype, &local) : NULL;
+          Linear lin = { typed, NULL, NULL };
+          if (typed == NULL || !upload_linear (d, &lin, &D->router, &local))
+            goto fail_local;
+        }
       UP (D->router_bias, L->router_bias, m->num_experts);
       UP (D->score_bias, L->score_bias, m->num_experts);
       for (guint j = 0; j < G_N_ELEMENTS (src); j++)
@@ -288,24 +298,31 @@ cuda_type (int dtype)
 
 /* y [rows, out] = x [rows, in] (rows @ldx elements apart) · Wᵀ (+ bias),
  * as torch's linear: float32 accumulation, the bias added before the one
- * rounding to the model dtype. */
+ * rounding to the model dtype; @f32: y stays float32, unrounded. A few
+ * rows (decode) run as GEMVs, more on cuBLAS. */
 static MoeTensor *
-linear (Decoder *d, const DevLinear *lin, MoeTensor *x, gsize x_offset, int ldx, int rows, GError **error)
+project (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32, GError **error)
 {
-  g_autoptr(MoeTensor) y = new_act (d, rows, lin->out, error);
+  g_autoptr(MoeTensor) y = f32 ? new_f32 (d, rows, lin->out, error) : new_act (d, rows, lin->out, error);
   g_autoptr(MoeTensor) acc = NULL;
   const float one = 1.0f, zero = 0.0f;
   cublasStatus_t st;
 
   if (y == NULL)
     return NULL;
-  if (lin->bias != NULL && (acc = new_f32 (d, rows, lin->out, error)) == NULL)
+  if (rows <= MOE_CUDA_GEMV_ROWS)
+    {
+      moe_cuda_gemv (d->dtype, DATA (lin->weight), lin->out, lin->in, DATA (x), ldx, rows, OPT (lin->bias),
+                     DATA (y), f32, d->dev->stream);
+      return g_steal_pointer (&y);
+    }
+  if (lin->bias != NULL && !f32 && (acc = new_f32 (d, rows, lin->out, error)) == NULL)
     return NULL;
   g_mutex_lock (&d->dev->lock);
   st = cublasGemmEx (d->dev->cublas, CUBLAS_OP_T, CUBLAS_OP_N, lin->out, rows, lin->in, &one,
                      DATA (lin->weight), cuda_type (d->dtype), lin->in,
-                     (char *) DATA (x) + x_offset * d->elem, cuda_type (d->dtype), ldx, &zero,
-                     acc ? DATA (acc) : DATA (y), acc ? CUDA_R_32F : cuda_type (d->dtype), lin->out,
+                     DATA (x), cuda_type (d->dtype), ldx, &zero,
+                     acc ? DATA (acc) : DATA (y), acc || f32 ? CUDA_R_32F : cuda_type (d->dtype), lin->out,
                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   g_mutex_unlock (&d->dev->lock);
   if (st != CUBLAS_STATUS_SUCCESS)
@@ -317,6 +334,12 @@ linear (Decoder *d, const DevLinear *lin, MoeTensor *x, gsize x_offset, int ldx,
   if (acc != NULL)
     moe_cuda_bias_round (d->dtype, DATA (acc), DATA (lin->bias), rows, lin->out, DATA (y), d->dev->stream);
   return g_steal_pointer (&y);
+}
+
+static MoeTensor *
+linear (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, GError **error)
+{
+  return project (d, lin, x, ldx, rows, FALSE, error);
 }
 
 static void
@@ -338,6 +361,165 @@ typedef struct {
   MoeTensor *key_valid;        /* [B, past + T] u8, or NULL */
 } Step;
 
+static MoeTensor *upload (Decoder *d, MoeDType dtype, gconstpointer data, gint64 n, GError **error);
+
+/* MOE_CUDA_TRACE=1: each forward prints where its time went, on the GPU
+ * (events between marks) and on the host, by part of the stack. */
+enum { PART_ATTENTION, PART_ROUTER, PART_EXPERTS, PART_SHARED, PART_HEAD, N_PARTS };
+static const char *part_names[N_PARTS] = { "attention", "router", "experts", "shared/dense", "embed+head" };
+
+typedef struct {
+  gboolean    on;
+  cudaEvent_t start;
+  GArray     *events;   /* cudaEvent_t after each part */
+  GArray     *parts;    /* int */
+  double      host[N_PARTS];
+  gint64      last;
+} Trace;
+
+static void
+trace_mark (Trace *tr, cudaStream_t stream, int part)
+{
+  cudaEvent_t ev;
+  gint64 now;
+
+  if (!tr->on)
+    return;
+  cudaEventCreate (&ev);
+  cudaEventRecord (ev, stream);
+  g_array_append_val (tr->events, ev);
+  g_array_append_val (tr->parts, part);
+  now = g_get_monotonic_time ();
+  tr->host[part] += (now - tr->last) / 1000.0;
+  tr->last = now;
+}
+
+static void
+trace_report (Trace *tr, const MoeDecoderStep *st)
+{
+  double gpu[N_PARTS] = { 0, }, total = 0, host = 0;
+  cudaEvent_t prev = tr->start;
+  GString *line;
+
+  if (!tr->on)
+    return;
+  cudaEventSynchronize (g_array_index (tr->events, cudaEvent_t, tr->events->len - 1));
+  for (guint i = 0; i < tr->events->len; i++)
+    {
+      cudaEvent_t ev = g_array_index (tr->events, cudaEvent_t, i);
+      float ms = 0;
+      cudaEventElapsedTime (&ms, prev, ev);
+      gpu[g_array_index (tr->parts, int, i)] += ms;
+      total += ms;
+      prev = ev;
+    }
+  line = g_string_new (NULL);
+  g_string_append_printf (line, "moe-cuda trace B=%u T=%u past=%u:", st->batch, st->n_tokens, st->cache->length);
+  for (int p = 0; p < N_PARTS; p++)
+    {
+      g_string_append_printf (line, " %s %.3f/%.3f", part_names[p], gpu[p], tr->host[p]);
+      host += tr->host[p];
+    }
+  g_string_append_printf (line, " | total gpu %.3f host %.3f ms", total, host);
+  g_printerr ("%s\n", line->str);
+  g_string_free (line, TRUE);
+  for (guint i = 0; i < tr->events->len; i++)
+    cudaEventDestroy (g_array_index (tr->events, cudaEvent_t, i));
+  cudaEventDestroy (tr->start);
+  g_array_unref (tr->events);
+  g_array_unref (tr->parts);
+}
+
+static gboolean
+cublas_check (cublasStatus_t st, const char *what, GError **error)
+{
+  if (st == CUBLAS_STATUS_SUCCESS)
+    return TRUE;
+  g_set_error (error, MOE_ERROR, MOE_ERROR_FAILED, "cuBLAS: %s failed (status %d)", what, (int) st);
+  return FALSE;
+}
+
+/* Many queries (prefill): per chunk of queries, scores = q·kᵀ for every
+ * (sequence, head) as one batched GEMM on the tensor cores, the masked
+ * softmax, then probabilities·v as another; chunks keep the scores under
+ * 64 MiB. */
+static gboolean
+attend_gemm (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int dk, int dv,
+             MoeTensor *out, GError **error)
+{
+  const MoeTransformer *m = d->m;
+  int B = s->st->batch, T = s->st->n_tokens, heads = m->heads, group = m->heads / m->kv_heads;
+  int n = B * heads, full = s->past + T;
+  /* chunks of queries: less memory, and causal chunks skip the later keys */
+  int chunk = MAX (1, MIN (T, (int) ((64u << 20) / ((gsize) n * full * sizeof (float)))));
+  cudaDataType_t type = cuda_type (d->dtype);
+  const float one = 1.0f, zero = 0.0f;
+  MoeCudaSoftmax sm = {
+    .dtype = d->dtype, .batch = B, .heads = heads, .n_tokens = T, .past = s->past,
+    .key_valid = s->key_valid ? DATA (s->key_valid) : NULL, .window = m->layer[li].window,
+    .sinks = OPT (d->layer[li].sinks), .eager = m->eager_attention,
+  };
+
+  for (int t0 = 0; t0 < T; t0 += chunk)
+    {
+      int rows = MIN (chunk, T - t0), len = s->past + t0 + rows;   /* later keys are masked anyway */
+      g_autoptr(MoeTensor) scores = new_f32 (d, (gint64) n * rows, len, error);
+      g_autoptr(MoeTensor) probs = scores ? new_act (d, (gint64) n * rows, len, error) : NULL;
+      g_autoptr(MoeTensor) ptrs = NULL;
+      g_autofree gconstpointer *host = g_new (gconstpointer, 5 * (gsize) n);
+      const void **dp;
+      gboolean ok;
+
+      if (probs == NULL)
+        return FALSE;
+      /* per (b, h): K, q, scores; V, probs (out is strided: its own list) */
+      for (int i = 0; i < n; i++)
+        {
+          int b = i / heads, h = i % heads, g = h / group;
+          host[i] = (char *) DATA (s->cache->k[li]) + (gsize) (b * m->kv_heads + g) * s->cache->capacity * dk * d->elem;
+          host[n + i] = (char *) DATA (q) + ((gsize) (b * T + t0) * q_row_stride + (gsize) h * dk) * d->elem;
+          host[2 * n + i] = (char *) DATA (scores) + (gsize) i * rows * len * sizeof (float);
+          host[3 * n + i] = (char *) DATA (s->cache->v[li]) + (gsize) (b * m->kv_heads + g) * s->cache->capacity * dv * d->elem;
+          host[4 * n + i] = (char *) DATA (out) + ((gsize) (b * T + t0) * heads + h) * dv * d->elem;
+        }
+      ptrs = upload (d, MOE_DTYPE_I64, host, 5 * (gint64) n, error);
+      if (ptrs == NULL)
+        return FALSE;
+      dp = DATA (ptrs);
+
+      g_mutex_lock (&d->dev->lock);
+      ok = cublas_check (cublasGemmBatchedEx (d->dev->cublas, CUBLAS_OP_T, CUBLAS_OP_N, len, rows, dk, &m->scaling,
+                                              dp, type, dk, dp + n, type, q_row_stride, &zero,
+                                              (void **) (dp + 2 * n), CUDA_R_32F, len, n,
+                                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "attention scores", error);
+      g_mutex_unlock (&d->dev->lock);
+      if (!ok)
+        return FALSE;
+      sm.t0 = t0;
+      sm.rows = rows;
+      sm.len = len;
+      sm.scores = DATA (scores);
+      sm.probs = DATA (probs);
+      moe_cuda_attention_softmax (&sm, d->dev->stream);
+      /* the probabilities of (b, h) are rows·len apart: pointer list from the scores' */
+      for (int i = 0; i < n; i++)
+        host[2 * n + i] = (char *) DATA (probs) + (gsize) i * rows * len * d->elem;
+      g_clear_object (&ptrs);
+      if ((ptrs = upload (d, MOE_DTYPE_I64, host, 5 * (gint64) n, error)) == NULL)
+        return FALSE;
+      dp = DATA (ptrs);
+      g_mutex_lock (&d->dev->lock);
+      ok = cublas_check (cublasGemmBatchedEx (d->dev->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dv, rows, len, &one,
+                                              dp + 3 * n, type, dv, dp + 2 * n, type, len, &zero,
+                                              (void **) (dp + 4 * n), type, heads * dv, n,
+                                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "attention values", error);
+      g_mutex_unlock (&d->dev->lock);
+      if (!ok)
+        return FALSE;
+    }
+  return TRUE;
+}
+
 static MoeTensor *
 attend (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int dk, int dv, GError **error)
 {
@@ -358,6 +540,9 @@ attend (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int
 
   if (out == NULL)
     return NULL;
+  /* many queries: on the tensor cores; a few (decode): one kernel */
+  if (s->st->n_tokens >= 16)
+    return attend_gemm (d, s, li, q, q_row_stride, dk, dv, out, error) ? g_steal_pointer (&out) : NULL;
   a.out = DATA (out);
   msg = moe_cuda_attention (&a, d->dev->stream);
   if (msg != NULL)
@@ -387,9 +572,9 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
   g_autoptr(MoeTensor) q = NULL, k = NULL, v = NULL, a = NULL;
   cudaStream_t stream = d->dev->stream;
 
-  if ((q = linear (d, &L->q, x, 0, m->hidden, rows, error)) == NULL ||
-      (k = linear (d, &L->k, x, 0, m->hidden, rows, error)) == NULL ||
-      (v = linear (d, &L->v, x, 0, m->hidden, rows, error)) == NULL)
+  if ((q = linear (d, &L->q, x, m->hidden, rows, error)) == NULL ||
+      (k = linear (d, &L->k, x, m->hidden, rows, error)) == NULL ||
+      (v = linear (d, &L->v, x, m->hidden, rows, error)) == NULL)
     return NULL;
   if (m->qk_norm == QK_NORM_FULL)
     {
@@ -413,7 +598,7 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
                      DATA (k), kn, hd, hd, NULL, 0, 0, 0, DATA (v), kn, hd, hd,
                      DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past, stream);
   a = attend (d, s, li, q, qn, hd, hd, error);
-  return a ? linear (d, &L->o, a, 0, qn, rows, error) : NULL;
+  return a ? linear (d, &L->o, a, qn, rows, error) : NULL;
 }
 
 /* DeepSeek's multi-head latent attention (see moe-transformer.c) */
@@ -428,18 +613,18 @@ attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
 
   if (m->q_lora > 0)
     {
-      g_autoptr(MoeTensor) qa = linear (d, &L->q_a, x, 0, m->hidden, rows, error);
+      g_autoptr(MoeTensor) qa = linear (d, &L->q_a, x, m->hidden, rows, error);
       if (qa == NULL)
         return NULL;
       norm (d, qa, 0, NULL, rows, m->q_lora, m->q_lora, L->q_a_norm, qa, 0, m->q_lora);
-      q = linear (d, &L->q_b, qa, 0, m->q_lora, rows, error);
+      q = linear (d, &L->q_b, qa, m->q_lora, rows, error);
     }
   else
-    q = linear (d, &L->q, x, 0, m->hidden, rows, error);
-  if (q == NULL || (latent = linear (d, &L->kv_a, x, 0, m->hidden, rows, error)) == NULL)
+    q = linear (d, &L->q, x, m->hidden, rows, error);
+  if (q == NULL || (latent = linear (d, &L->kv_a, x, m->hidden, rows, error)) == NULL)
     return NULL;
   norm (d, latent, 0, NULL, rows, m->kv_lora, lat, L->kv_a_norm, latent, 0, lat);
-  if ((kv = linear (d, &L->kv_b, latent, 0, lat, rows, error)) == NULL)
+  if ((kv = linear (d, &L->kv_b, latent, lat, rows, error)) == NULL)
     return NULL;
 
   rope (d, s, latent, m->kv_lora, 1, lat, 0);
@@ -450,57 +635,58 @@ attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
                      (char *) DATA (kv) + (gsize) nope * d->elem, m->heads * kvb, kvb, dv,
                      DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past, d->dev->stream);
   a = attend (d, s, li, q, m->heads * qk, qk, dv, error);
-  return a ? linear (d, &L->o, a, 0, m->heads * dv, rows, error) : NULL;
+  return a ? linear (d, &L->o, a, m->heads * dv, rows, error) : NULL;
 }
 
 /* act(gate(x)) · up(x), then down: a dense MLP or the shared expert */
 static MoeTensor *
 mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, GError **error)
 {
-  g_autoptr(MoeTensor) g = linear (d, &L->gate, x, 0, d->m->hidden, rows, error);
-  g_autoptr(MoeTensor) u = g ? linear (d, &L->up, x, 0, d->m->hidden, rows, error) : NULL;
+  g_autoptr(MoeTensor) g = linear (d, &L->gate, x, d->m->hidden, rows, error);
+  g_autoptr(MoeTensor) u = g ? linear (d, &L->up, x, d->m->hidden, rows, error) : NULL;
 
   if (u == NULL)
     return NULL;
   moe_cuda_act_mul (d->dtype, DATA (g), DATA (u), (gsize) rows * L->gate.out, d->m->act_fn, d->dev->stream);
-  return linear (d, &L->down, g, 0, L->gate.out, rows, error);
+  return linear (d, &L->down, g, L->gate.out, rows, error);
 }
 
 static MoeTensor *
-moe_block (Decoder *d, guint li, MoeTensor *x, int rows, GError **error)
+moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **error)
 {
   const MoeTransformer *m = d->m;
   const DevLayer *L = &d->layer[li];
   gint64 ks[2] = { rows, m->top_k };
   g_autoptr(MoeTensor) ids = moe_tensor_new_empty (MOE_DEVICE (d->dev), MOE_DTYPE_I64, ks, 2, error);
   g_autoptr(MoeTensor) w = ids ? new_f32 (d, rows, m->top_k, error) : NULL;
-  g_autoptr(MoeTensor) y = NULL;
+  g_autoptr(MoeTensor) y = NULL, logits = NULL;
   MoeCudaRouter r = {
-    .dtype = d->dtype, .rows = rows, .hidden = m->hidden, .num_experts = m->num_experts, .top_k = m->top_k,
+    .dtype = d->dtype, .rows = rows, .num_experts = m->num_experts, .top_k = m->top_k,
     .kind = m->router_kind, .norm_topk = m->norm_topk, .weights_in_act_dtype = m->weights_in_act_dtype,
     .routed_scale = m->routed_scale, .n_group = m->n_group, .topk_group = m->topk_group,
   };
 
-  if (w == NULL)
+  if (w == NULL || (logits = project (d, &L->router, x, m->hidden, rows, TRUE, error)) == NULL)
     return NULL;
-  r.x = DATA (x);
-  r.weight = DATA (L->router);
+  r.logits = DATA (logits);
   r.bias = OPT (L->router_bias);
   r.score_bias = OPT (L->score_bias);
   r.ids = DATA (ids);
   r.weights = DATA (w);
   moe_cuda_route (&r, d->dev->stream);
+  trace_mark (tr, d->dev->stream, PART_ROUTER);
 
   y = moe_experts_forward (m->layer[li].experts, x, ids, w, error);
   if (y == NULL)
     return NULL;
+  trace_mark (tr, d->dev->stream, PART_EXPERTS);
   if (m->has_shared)
     {
       g_autoptr(MoeTensor) shared = mlp (d, L, x, rows, error);
       g_autoptr(MoeTensor) gate = NULL;
       if (shared == NULL)
         return NULL;
-      if (m->shared_gated && (gate = linear (d, &L->shared_gate, x, 0, m->hidden, rows, error)) == NULL)
+      if (m->shared_gated && (gate = linear (d, &L->shared_gate, x, m->hidden, rows, error)) == NULL)
         return NULL;
       moe_cuda_add_gated (d->dtype, DATA (y), DATA (shared), OPT (gate), rows, m->hidden, d->dev->stream);
     }
@@ -530,6 +716,16 @@ moe_cuda_decoder_forward (MoeDevice  *device,
   g_autoptr(MoeTensor) h = NULL, x = NULL, y = NULL, xf = NULL, logits = NULL, logits_f32 = NULL;
   DevCache *c;
   Step s = { st, NULL, kv->length, rows, NULL, NULL };
+  Trace tr = { g_getenv ("MOE_CUDA_TRACE") != NULL, };
+
+  if (tr.on)
+    {
+      tr.events = g_array_new (FALSE, FALSE, sizeof (cudaEvent_t));
+      tr.parts = g_array_new (FALSE, FALSE, sizeof (int));
+      tr.last = g_get_monotonic_time ();
+      cudaEventCreate (&tr.start);
+      cudaEventRecord (tr.start, d->dev->stream);
+    }
 
   if (kv->device_cache == NULL)
     {
@@ -557,6 +753,7 @@ moe_cuda_decoder_forward (MoeDevice  *device,
   if ((h = new_act (d, rows, H, error)) == NULL || (x = new_act (d, rows, H, error)) == NULL)
     return FALSE;
   moe_cuda_embed (d->dtype, DATA (d->embed), DATA (ids), rows, H, DATA (h), d->dev->stream);
+  trace_mark (&tr, d->dev->stream, PART_HEAD);
 
   for (guint li = 0; li < m->layers; li++)
     {
@@ -569,10 +766,12 @@ moe_cuda_decoder_forward (MoeDevice  *device,
       if (a == NULL)
         return FALSE;
       norm (d, h, 0, a, rows, H, H, L->post_norm, x, 0, H);
+      trace_mark (&tr, d->dev->stream, PART_ATTENTION);
       g_clear_object (&y);
-      y = m->layer[li].is_moe ? moe_block (d, li, x, rows, error) : mlp (d, L, x, rows, error);
+      y = m->layer[li].is_moe ? moe_block (d, li, x, rows, &tr, error) : mlp (d, L, x, rows, error);
       if (y == NULL)
         return FALSE;
+      trace_mark (&tr, d->dev->stream, PART_SHARED);
     }
 
   /* the last residual add and the final norm, on the rows that make logits */
@@ -584,11 +783,13 @@ moe_cuda_decoder_forward (MoeDevice  *device,
     norm (d, h, 0, y, rows, H, H, d->final_norm, xf, 0, H);
   {
     DevLinear head = { d->lm_head, NULL, m->vocab, H };
-    logits = linear (d, &head, xf, 0, H, out_rows, error);
+    logits = linear (d, &head, xf, H, out_rows, error);
   }
   if (logits == NULL || (logits_f32 = new_f32 (d, out_rows, m->vocab, error)) == NULL)
     return FALSE;
   moe_cuda_to_f32 (d->dtype, DATA (logits), (gsize) out_rows * m->vocab, DATA (logits_f32), d->dev->stream);
+  trace_mark (&tr, d->dev->stream, PART_HEAD);
+  trace_report (&tr, st);
   return moe_cuda_check (cudaGetLastError (), "the decoder's kernels", error) &&
          moe_cuda_check (cudaMemcpyAsync (st->logits, DATA (logits_f32), (gsize) out_rows * m->vocab * sizeof (float),
                                           cudaMemcpyDeviceToHost, d->dev->stream), "copying the logits", error) &&
