@@ -70,11 +70,12 @@ embed_kernel (const T *table, const int64_t *ids, int width, T *out)
 
 template <typename T>
 __global__ void
-rms_norm_kernel (T *x, const T *h_add, int n, int in_stride, const float *w, float eps, int weight_last,
-                 T *y, int out_stride)
+rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int in_stride, const float *w,
+                 float eps, int weight_last, T *y, int out_stride)
 {
-  T *xr = x + blockIdx.x * (size_t) in_stride;
-  T *yr = y + blockIdx.x * (size_t) out_stride;
+  size_t r = blockIdx.x / groups, g = blockIdx.x % groups;
+  T *xr = x + r * in_stride + g * group_stride;
+  T *yr = y + r * out_stride + g * group_stride;
   float ss = 0;
 
   for (int i = threadIdx.x; i < n; i += blockDim.x)
@@ -82,7 +83,7 @@ rms_norm_kernel (T *x, const T *h_add, int n, int in_stride, const float *w, flo
       float v = to_f (xr[i]);
       if (h_add != nullptr)
         {
-          v = rnd<T> (v + to_f (h_add[blockIdx.x * (size_t) in_stride + i]));
+          v = rnd<T> (v + to_f (h_add[r * in_stride + i]));
           xr[i] = from_f<T> (v);
         }
       ss += v * v;
@@ -322,6 +323,22 @@ attention_softmax_kernel (MoeCudaSoftmax a)
     }
 }
 
+__global__ void
+attention_pointers_kernel (MoeCudaAttentionPointers a, const void **out)
+{
+  for (int i = threadIdx.x; i < a.n; i += blockDim.x)
+    {
+      int b = i / a.heads, h = i % a.heads, g = h / a.group;
+      size_t kv = (size_t) b * (a.heads / a.group) + g;
+      out[i] = a.k + kv * a.capacity * a.dk * a.elem;
+      out[a.n + i] = a.q + ((size_t) (b * a.n_tokens + a.t0) * a.q_row_stride + (size_t) h * a.dk) * a.elem;
+      out[2 * a.n + i] = a.scores + (size_t) i * a.rows * a.len * sizeof (float);
+      out[3 * a.n + i] = a.v + kv * a.capacity * a.dv * a.elem;
+      out[4 * a.n + i] = a.probs + (size_t) i * a.rows * a.len * a.elem;
+      out[5 * a.n + i] = a.out + ((size_t) (b * a.n_tokens + a.t0) * a.heads + h) * a.dv * a.elem;
+    }
+}
+
 /* The warp's top choice among @n values not yet taken: the largest, the
  * lower index on ties (torch.topk's order for the fixtures' distinct
  * values), in every lane. */
@@ -508,6 +525,7 @@ gemv_kernel (const T *W, int out, int in, const T *x, int ldx, const T *bias, vo
   if (n >= out)
     return;
   if ((((uintptr_t) x | (uintptr_t) W) % 16 == 0) && in % V == 0 && ldx % V == 0)
+#pragma unroll 4   /* four 16-byte weight loads in flight per lane: the memory's speed */
     for (int k = lane * V; k < in; k += 32 * V)
       {
         uint4 wv = __ldg ((const uint4 *) (w + k));
@@ -546,9 +564,10 @@ gemv_kernel (const T *W, int out, int in, const T *x, int ldx, const T *bias, vo
 
 template <typename T>
 __global__ void
-act_mul_kernel (T *g, const T *u, size_t n, int act)
+act_mul_kernel (T *gu, int width, int row_stride, int act)
 {
-  for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x)
+  T *g = gu + blockIdx.x * (size_t) row_stride, *u = g + width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x)
     g[i] = from_f<T> (rnd<T> (activate (act, to_f (g[i]))) * to_f (u[i]));
 }
 
@@ -600,11 +619,13 @@ moe_cuda_embed (int dtype, const void *table, const int64_t *ids, int rows, int 
 }
 
 extern "C" void
-moe_cuda_rms_norm (int dtype, void *x, const void *h_add, int rows, int n, int in_stride, const float *weight,
-                   float eps, int weight_last, void *y, int out_stride, cudaStream_t s)
+moe_cuda_rms_norm (int dtype, void *x, const void *h_add, int rows, int n, int groups, int group_stride,
+                   int in_stride, const float *weight, float eps, int weight_last, void *y, int out_stride,
+                   cudaStream_t s)
 {
-  DISPATCH (dtype, rms_norm_kernel<T><<<rows, 256, 0, s>>> ((T *) x, (const T *) h_add, n, in_stride, weight, eps,
-                                                           weight_last, (T *) y, out_stride));
+  DISPATCH (dtype, rms_norm_kernel<T><<<rows * groups, n >= 1024 ? 256 : 128, 0, s>>> (
+                     (T *) x, (const T *) h_add, n, groups, group_stride, in_stride, weight, eps, weight_last,
+                     (T *) y, out_stride));
 }
 
 extern "C" void
@@ -665,6 +686,12 @@ moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
 }
 
 extern "C" void
+moe_cuda_attention_pointers (const MoeCudaAttentionPointers *a, const void **out, cudaStream_t s)
+{
+  attention_pointers_kernel<<<1, 256, 0, s>>> (*a, out);
+}
+
+extern "C" void
 moe_cuda_attention_softmax (const MoeCudaSoftmax *a, cudaStream_t s)
 {
   DISPATCH (a->dtype, attention_softmax_kernel<T><<<a->batch * a->heads * a->rows, 256, 0, s>>> (*a));
@@ -699,9 +726,9 @@ moe_cuda_gemv (int dtype, const void *w, int out, int in, const void *x, int ldx
 }
 
 extern "C" void
-moe_cuda_act_mul (int dtype, void *g, const void *u, size_t n, int activation, cudaStream_t s)
+moe_cuda_act_mul (int dtype, void *gu, int rows, int width, int row_stride, int activation, cudaStream_t s)
 {
-  DISPATCH (dtype, act_mul_kernel<T><<<elementwise_blocks (n), 256, 0, s>>> ((T *) g, (const T *) u, n, activation));
+  DISPATCH (dtype, act_mul_kernel<T><<<rows, 256, 0, s>>> ((T *) gu, width, row_stride, activation));
 }
 
 extern "C" void

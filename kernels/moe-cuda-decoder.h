@@ -25,13 +25,14 @@ enum { MOE_CUDA_ROUTER_SOFTMAX_TOPK, MOE_CUDA_ROUTER_SIGMOID_GROUPED, MOE_CUDA_R
 void moe_cuda_embed          (int dtype, const void *table, const int64_t *ids, int rows, int width,
                               void *out, cudaStream_t stream);
 
-/* RMSNorm of @rows rows of width @n, @in_stride and @out_stride elements
- * apart; with @h_add, x = h + h_add first (rounded, written back to x):
- * the residual add fused with the next norm. @weight_last: GPT-OSS's
- * (w · x).to(dtype) instead of w · x.to(dtype). */
-void moe_cuda_rms_norm       (int dtype, void *x, const void *h_add, int rows, int n, int in_stride,
-                              const float *weight, float eps, int weight_last, void *y, int out_stride,
-                              cudaStream_t stream);
+/* RMSNorm of @rows rows, each @groups vectors of width @n @group_stride
+ * apart (per-head norms; 1 and 0 for whole rows), rows @in_stride and
+ * @out_stride elements apart; with @h_add, x = h + h_add first (rounded,
+ * written back to x): the residual add fused with the next norm.
+ * @weight_last: GPT-OSS's (w · x).to(dtype) instead of w · x.to(dtype). */
+void moe_cuda_rms_norm       (int dtype, void *x, const void *h_add, int rows, int n, int groups,
+                              int group_stride, int in_stride, const float *weight, float eps, int weight_last,
+                              void *y, int out_stride, cudaStream_t stream);
 
 /* x = x + y, rounded, for @n elements */
 void moe_cuda_add            (int dtype, void *x, const void *y, size_t n, cudaStream_t stream);
@@ -93,6 +94,16 @@ typedef struct {
 
 void moe_cuda_attention_softmax (const MoeCudaSoftmax *s, cudaStream_t stream);
 
+/* The six pointer lists of the two batched GEMMs, per (b, h) in order:
+ * K, q, scores, V, probabilities, out; made on the device so that prefill
+ * never waits for a host copy. */
+typedef struct {
+  int n, heads, group, n_tokens, t0, rows, len, capacity, dk, dv, q_row_stride, elem;
+  const char *k, *q, *scores, *v, *probs, *out;
+} MoeCudaAttentionPointers;
+
+void moe_cuda_attention_pointers (const MoeCudaAttentionPointers *a, const void **out, cudaStream_t stream);
+
 typedef struct {
   int dtype;
   int rows, num_experts, top_k;
@@ -109,8 +120,10 @@ typedef struct {
 
 void moe_cuda_route          (const MoeCudaRouter *r, cudaStream_t stream);
 
-/* g = act(g) · u, each op rounded (a gated MLP's middle) */
-void moe_cuda_act_mul        (int dtype, void *g, const void *u, size_t n, int activation, cudaStream_t stream);
+/* A gated MLP's middle, in place: rows of [g | u] (@width each, rows
+ * @row_stride apart) become g = act(g) · u, each op rounded. */
+void moe_cuda_act_mul        (int dtype, void *gu, int rows, int width, int row_stride, int activation,
+                              cudaStream_t stream);
 
 /* y = y + sigmoid(gate[r]) · s over rows of @width (Qwen2-MoE's gated
  * shared expert); @gate NULL: y = y + s */

@@ -27,7 +27,9 @@ typedef struct {
 typedef struct {
   MoeTensor *input_norm, *post_norm, *q_norm, *k_norm, *q_a_norm, *kv_a_norm;
   MoeTensor *sinks, *router_bias, *score_bias;
-  DevLinear  q, k, v, o, q_a, q_b, kv_a, kv_b, gate, up, down, shared_gate;
+  DevLinear  qkv;              /* q, k and v stacked: one projection (not MLA) */
+  DevLinear  q, o, q_a, q_b, kv_a, kv_b, down, shared_gate;
+  DevLinear  gate_up;          /* the dense MLP's or shared expert's gate and up stacked */
   DevLinear  router;           /* in the model dtype: a bf16 model's router weights are bf16 values */
 } DevLayer;
 
@@ -90,6 +92,64 @@ upload_linear (Decoder *d, const Linear *lin, DevLinear *out, GError **error)
   return TRUE;
 }
 
+/* Linears of one input stacked into one [Σ out, in] weight (and bias,
+ * zeros where one has none: adding 0 before the rounding changes nothing),
+ * so that they run as one projection. */
+static gboolean
+upload_stacked (Decoder *d, const Linear * const *lins, guint n, DevLinear *out, GError **error)
+{
+  gint64 rows = 0, in = 0;
+  gsize es = moe_dtype_get_size (d->m->dtype), off = 0, boff = 0;
+  gboolean bias = FALSE;
+  g_autofree guint8 *w = NULL, *b = NULL;
+
+  if (lins[0]->weight == NULL)
+    return TRUE;
+  for (guint i = 0; i < n; i++)
+    {
+      if (lins[i]->scale != NULL)
+        return upload_linear (d, lins[i], out, error);   /* says why it cannot */
+      rows += moe_tensor_get_dim (lins[i]->weight, 0);
+      in = moe_tensor_get_dim (lins[i]->weight, 1);
+      bias |= lins[i]->bias != NULL;
+    }
+  w = g_malloc (rows * in * es);
+  b = bias ? g_malloc0 (rows * es) : NULL;
+  for (guint i = 0; i < n; i++)
+    {
+      gsize nb = moe_tensor_get_n_bytes (lins[i]->weight), r = moe_tensor_get_dim (lins[i]->weight, 0);
+      memcpy (w + off, moe_tensor_get_data (lins[i]->weight), nb);
+      off += nb;
+      if (lins[i]->bias != NULL)
+        {
+          g_autoptr(MoeTensor) typed = moe_tensor_to_dtype (lins[i]->bias, d->m->dtype, error);
+          if (typed == NULL)
+            return FALSE;
+          memcpy (b + boff, moe_tensor_get_data (typed), r * es);
+        }
+      boff += r * es;
+    }
+  {
+    gint64 shape[2] = { rows, in };
+    g_autoptr(GBytes) wb = g_bytes_new_take (g_steal_pointer (&w), rows * in * es);
+    g_autoptr(MoeTensor) wt = moe_tensor_new_from_bytes (d->m->dtype, shape, 2, wb, error);
+    g_autoptr(MoeTensor) bt = NULL;
+    Linear stacked = { wt, NULL, NULL };
+
+    if (wt == NULL)
+      return FALSE;
+    if (bias)
+      {
+        g_autoptr(GBytes) bb = g_bytes_new_take (g_steal_pointer (&b), rows * es);
+        bt = moe_tensor_new_from_bytes (d->m->dtype, &rows, 1, bb, error);
+        if (bt == NULL)
+          return FALSE;
+        stacked.bias = bt;
+      }
+    return upload_linear (d, &stacked, out, error);
+  }
+}
+
 static void
 dev_linear_clear (DevLinear *lin)
 {
@@ -108,8 +168,8 @@ moe_cuda_decoder_free (MoeDevice *device,
       DevLayer *L = &d->layer[i];
       MoeTensor **ts[] = { &L->input_norm, &L->post_norm, &L->q_norm, &L->k_norm, &L->q_a_norm, &L->kv_a_norm,
                            &L->sinks, &L->router_bias, &L->score_bias };
-      DevLinear *lins[] = { &L->q, &L->k, &L->v, &L->o, &L->q_a, &L->q_b, &L->kv_a, &L->kv_b,
-                            &L->gate, &L->up, &L->down, &L->shared_gate, &L->router };
+      DevLinear *lins[] = { &L->qkv, &L->q, &L->o, &L->q_a, &L->q_b, &L->kv_a, &L->kv_b,
+                            &L->gate_up, &L->down, &L->shared_gate, &L->router };
       for (guint j = 0; j < G_N_ELEMENTS (ts); j++)
         g_clear_object (ts[j]);
       for (guint j = 0; j < G_N_ELEMENTS (lins); j++)
@@ -173,10 +233,9 @@ moe_cuda_decoder_new (MoeDevice      *device,
     {
       const Layer *L = &m->layer[i];
       DevLayer *D = &d->layer[i];
-      const Linear *src[] = { &L->q, &L->k, &L->v, &L->o, &L->q_a, &L->q_b, &L->kv_a, &L->kv_b,
-                              &L->gate, &L->up, &L->down, &L->shared_gate };
-      DevLinear *dst[] = { &D->q, &D->k, &D->v, &D->o, &D->q_a, &D->q_b, &D->kv_a, &D->kv_b,
-                           &D->gate, &D->up, &D->down, &D->shared_gate };
+      const Linear *src[] = { &L->o, &L->q_a, &L->q_b, &L->kv_a, &L->kv_b, &L->down, &L->shared_gate };
+      DevLinear *dst[] = { &D->o, &D->q_a, &D->q_b, &D->kv_a, &D->kv_b, &D->down, &D->shared_gate };
+      const Linear *qkv[] = { &L->q, &L->k, &L->v }, *gate_up[] = { &L->gate, &L->up };
       gint64 qn_norm = m->qk_norm == QK_NORM_FULL ? (gint64) m->heads * m->head_dim : m->head_dim;
       gint64 kn_norm = m->qk_norm == QK_NORM_FULL ? (gint64) m->kv_heads * m->head_dim : m->head_dim;
 
@@ -202,6 +261,10 @@ moe_cuda_decoder_new (MoeDevice      *device,
       for (guint j = 0; j < G_N_ELEMENTS (src); j++)
         if (!upload_linear (d, src[j], dst[j], &local))
           goto fail_local;
+      if (!(m->family == FAMILY_DEEPSEEK_V3 ? upload_linear (d, &L->q, &D->q, &local)
+                                            : upload_stacked (d, qkv, 3, &D->qkv, &local)) ||
+          !upload_stacked (d, gate_up, 2, &D->gate_up, &local))
+        goto fail_local;
     }
 #undef UP
   /* copies from the mapped checkpoint are done once this returns */
@@ -343,13 +406,20 @@ linear (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, GErro
 }
 
 static void
+norm_groups (Decoder *d, MoeTensor *x, gsize offset, MoeTensor *h_add, int rows, int n, int groups,
+             int group_stride, int in_stride, MoeTensor *w, MoeTensor *y, gsize y_offset, int out_stride)
+{
+  moe_cuda_rms_norm (d->dtype, (char *) DATA (x) + offset * d->elem,
+                     h_add ? (char *) DATA (h_add) + offset * d->elem : NULL, rows, n, groups, group_stride,
+                     in_stride, DATA (w), d->m->eps, d->m->family == FAMILY_GPT_OSS, (char *) DATA (y) + y_offset * d->elem,
+                     out_stride, d->dev->stream);
+}
+
+static void
 norm (Decoder *d, MoeTensor *x, gsize offset, MoeTensor *h_add, int rows, int n, int in_stride,
       MoeTensor *w, MoeTensor *y, gsize y_offset, int out_stride)
 {
-  moe_cuda_rms_norm (d->dtype, (char *) DATA (x) + offset * d->elem,
-                     h_add ? (char *) DATA (h_add) + offset * d->elem : NULL, rows, n, in_stride,
-                     DATA (w), d->m->eps, d->m->family == FAMILY_GPT_OSS, (char *) DATA (y) + y_offset * d->elem,
-                     out_stride, d->dev->stream);
+  norm_groups (d, x, offset, h_add, rows, n, 1, 0, in_stride, w, y, y_offset, out_stride);
 }
 
 typedef struct {
@@ -466,26 +536,24 @@ attend_gemm (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride
       g_autoptr(MoeTensor) scores = new_f32 (d, (gint64) n * rows, len, error);
       g_autoptr(MoeTensor) probs = scores ? new_act (d, (gint64) n * rows, len, error) : NULL;
       g_autoptr(MoeTensor) ptrs = NULL;
-      g_autofree gconstpointer *host = g_new (gconstpointer, 5 * (gsize) n);
+      gint64 n_ptrs = 6 * (gint64) n;
+      MoeCudaAttentionPointers pa = {
+        .n = n, .heads = heads, .group = group, .n_tokens = T, .t0 = t0, .rows = rows, .len = len,
+        .capacity = s->cache->capacity, .dk = dk, .dv = dv, .q_row_stride = q_row_stride, .elem = d->elem,
+      };
       const void **dp;
       gboolean ok;
 
-      if (probs == NULL)
+      if (probs == NULL || (ptrs = moe_tensor_new_empty (MOE_DEVICE (d->dev), MOE_DTYPE_I64, &n_ptrs, 1, error)) == NULL)
         return FALSE;
-      /* per (b, h): K, q, scores; V, probs (out is strided: its own list) */
-      for (int i = 0; i < n; i++)
-        {
-          int b = i / heads, h = i % heads, g = h / group;
-          host[i] = (char *) DATA (s->cache->k[li]) + (gsize) (b * m->kv_heads + g) * s->cache->capacity * dk * d->elem;
-          host[n + i] = (char *) DATA (q) + ((gsize) (b * T + t0) * q_row_stride + (gsize) h * dk) * d->elem;
-          host[2 * n + i] = (char *) DATA (scores) + (gsize) i * rows * len * sizeof (float);
-          host[3 * n + i] = (char *) DATA (s->cache->v[li]) + (gsize) (b * m->kv_heads + g) * s->cache->capacity * dv * d->elem;
-          host[4 * n + i] = (char *) DATA (out) + ((gsize) (b * T + t0) * heads + h) * dv * d->elem;
-        }
-      ptrs = upload (d, MOE_DTYPE_I64, host, 5 * (gint64) n, error);
-      if (ptrs == NULL)
-        return FALSE;
+      pa.k = DATA (s->cache->k[li]);
+      pa.q = DATA (q);
+      pa.scores = DATA (scores);
+      pa.v = DATA (s->cache->v[li]);
+      pa.probs = DATA (probs);
+      pa.out = DATA (out);
       dp = DATA (ptrs);
+      moe_cuda_attention_pointers (&pa, dp, d->dev->stream);
 
       g_mutex_lock (&d->dev->lock);
       ok = cublas_check (cublasGemmBatchedEx (d->dev->cublas, CUBLAS_OP_T, CUBLAS_OP_N, len, rows, dk, &m->scaling,
@@ -501,17 +569,10 @@ attend_gemm (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride
       sm.scores = DATA (scores);
       sm.probs = DATA (probs);
       moe_cuda_attention_softmax (&sm, d->dev->stream);
-      /* the probabilities of (b, h) are rows·len apart: pointer list from the scores' */
-      for (int i = 0; i < n; i++)
-        host[2 * n + i] = (char *) DATA (probs) + (gsize) i * rows * len * d->elem;
-      g_clear_object (&ptrs);
-      if ((ptrs = upload (d, MOE_DTYPE_I64, host, 5 * (gint64) n, error)) == NULL)
-        return FALSE;
-      dp = DATA (ptrs);
       g_mutex_lock (&d->dev->lock);
       ok = cublas_check (cublasGemmBatchedEx (d->dev->cublas, CUBLAS_OP_N, CUBLAS_OP_N, dv, rows, len, &one,
-                                              dp + 3 * n, type, dv, dp + 2 * n, type, len, &zero,
-                                              (void **) (dp + 4 * n), type, heads * dv, n,
+                                              dp + 3 * n, type, dv, dp + 4 * n, type, len, &zero,
+                                              (void **) (dp + 5 * n), type, heads * dv, n,
                                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "attention values", error);
       g_mutex_unlock (&d->dev->lock);
       if (!ok)
@@ -568,36 +629,32 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
 {
   const MoeTransformer *m = d->m;
   const DevLayer *L = &d->layer[li];
-  int rows = s->rows, hd = m->head_dim, qn = m->heads * hd, kn = m->kv_heads * hd;
-  g_autoptr(MoeTensor) q = NULL, k = NULL, v = NULL, a = NULL;
+  int rows = s->rows, hd = m->head_dim, qn = m->heads * hd, kn = m->kv_heads * hd, n = qn + 2 * kn;
+  g_autoptr(MoeTensor) qkv = NULL, a = NULL;
   cudaStream_t stream = d->dev->stream;
 
-  if ((q = linear (d, &L->q, x, m->hidden, rows, error)) == NULL ||
-      (k = linear (d, &L->k, x, m->hidden, rows, error)) == NULL ||
-      (v = linear (d, &L->v, x, m->hidden, rows, error)) == NULL)
+  /* one projection: each row is [q | k | v] */
+  if ((qkv = linear (d, &L->qkv, x, m->hidden, rows, error)) == NULL)
     return NULL;
   if (m->qk_norm == QK_NORM_FULL)
     {
-      norm (d, q, 0, NULL, rows, qn, qn, L->q_norm, q, 0, qn);
-      norm (d, k, 0, NULL, rows, kn, kn, L->k_norm, k, 0, kn);
+      norm (d, qkv, 0, NULL, rows, qn, n, L->q_norm, qkv, 0, n);
+      norm (d, qkv, qn, NULL, rows, kn, n, L->k_norm, qkv, qn, n);
     }
   else if (m->qk_norm == QK_NORM_PER_HEAD)
     {
-      norm (d, q, 0, NULL, rows * m->heads, hd, hd, L->q_norm, q, 0, hd);
-      norm (d, k, 0, NULL, rows * m->kv_heads, hd, hd, L->k_norm, k, 0, hd);
+      norm_groups (d, qkv, 0, NULL, rows, hd, m->heads, hd, n, L->q_norm, qkv, 0, n);
+      norm_groups (d, qkv, qn, NULL, rows, hd, m->kv_heads, hd, n, L->k_norm, qkv, qn, n);
     }
   if (m->clip_qkv > 0)
-    {
-      moe_cuda_clamp (d->dtype, DATA (q), (gsize) rows * qn, m->clip_qkv, stream);
-      moe_cuda_clamp (d->dtype, DATA (k), (gsize) rows * kn, m->clip_qkv, stream);
-      moe_cuda_clamp (d->dtype, DATA (v), (gsize) rows * kn, m->clip_qkv, stream);
-    }
-  rope (d, s, q, 0, m->heads, qn, hd);
-  rope (d, s, k, 0, m->kv_heads, kn, hd);
+    moe_cuda_clamp (d->dtype, DATA (qkv), (gsize) rows * n, m->clip_qkv, stream);
+  rope (d, s, qkv, 0, m->heads, n, hd);
+  rope (d, s, qkv, qn, m->kv_heads, n, hd);
   moe_cuda_store_kv (d->dtype, s->st->batch, s->st->n_tokens, m->kv_heads,
-                     DATA (k), kn, hd, hd, NULL, 0, 0, 0, DATA (v), kn, hd, hd,
+                     (char *) DATA (qkv) + (gsize) qn * d->elem, n, hd, hd, NULL, 0, 0, 0,
+                     (char *) DATA (qkv) + (gsize) (qn + kn) * d->elem, n, hd, hd,
                      DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past, stream);
-  a = attend (d, s, li, q, qn, hd, hd, error);
+  a = attend (d, s, li, qkv, n, hd, hd, error);
   return a ? linear (d, &L->o, a, qn, rows, error) : NULL;
 }
 
@@ -642,13 +699,13 @@ attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
 static MoeTensor *
 mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, GError **error)
 {
-  g_autoptr(MoeTensor) g = linear (d, &L->gate, x, d->m->hidden, rows, error);
-  g_autoptr(MoeTensor) u = g ? linear (d, &L->up, x, d->m->hidden, rows, error) : NULL;
+  int inter = L->gate_up.out / 2;
+  g_autoptr(MoeTensor) gu = linear (d, &L->gate_up, x, d->m->hidden, rows, error);
 
-  if (u == NULL)
+  if (gu == NULL)
     return NULL;
-  moe_cuda_act_mul (d->dtype, DATA (g), DATA (u), (gsize) rows * L->gate.out, d->m->act_fn, d->dev->stream);
-  return linear (d, &L->down, g, L->gate.out, rows, error);
+  moe_cuda_act_mul (d->dtype, DATA (gu), rows, inter, 2 * inter, d->m->act_fn, d->dev->stream);
+  return linear (d, &L->down, gu, 2 * inter, rows, error);
 }
 
 static MoeTensor *
