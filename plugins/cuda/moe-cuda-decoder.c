@@ -11,6 +11,7 @@
  *
  * SPDX-License-Identifier: LGPL-2.1-or-later
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "moe-cuda-device-private.h"
@@ -40,6 +41,7 @@ typedef struct {
   gsize                 elem;        /* bytes per activation */
   MoeTensor            *embed, *lm_head, *final_norm, *inv_freq;
   DevLayer             *layer;
+  int                   gemv_rows;   /* projections of this many rows or fewer run as GEMVs */
 } Decoder;
 
 typedef struct {
@@ -197,6 +199,9 @@ moe_cuda_decoder_new (MoeDevice      *device,
   d->m = m;
   d->dtype = m->dtype;
   d->elem = m->dtype == MOE_DTYPE_F32 ? 4 : 2;
+  /* MOE_CUDA_GEMV_ROWS (0…8) moves the GEMV/cuBLAS split, for measuring */
+  d->gemv_rows = g_getenv ("MOE_CUDA_GEMV_ROWS") ? CLAMP (atoi (g_getenv ("MOE_CUDA_GEMV_ROWS")), 0, MOE_CUDA_GEMV_ROWS)
+                                                 : MOE_CUDA_GEMV_ROWS;
   if (m->dtype != MOE_DTYPE_F32 && m->dtype != MOE_DTYPE_BF16 && m->dtype != MOE_DTYPE_F16)
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
@@ -373,7 +378,7 @@ project (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboo
 
   if (y == NULL)
     return NULL;
-  if (rows <= MOE_CUDA_GEMV_ROWS)
+  if (rows <= d->gemv_rows)
     {
       moe_cuda_gemv (d->dtype, DATA (lin->weight), lin->out, lin->in, DATA (x), ldx, rows, OPT (lin->bias),
                      DATA (y), f32, d->dev->stream);
@@ -429,16 +434,19 @@ typedef struct {
   int        rows;
   MoeTensor *positions;        /* [rows] i64 */
   MoeTensor *key_valid;        /* [B, past + T] u8, or NULL */
+  struct _Trace *trace;
 } Step;
 
 static MoeTensor *upload (Decoder *d, MoeDType dtype, gconstpointer data, gint64 n, GError **error);
 
 /* MOE_CUDA_TRACE=1: each forward prints where its time went, on the GPU
  * (events between marks) and on the host, by part of the stack. */
-enum { PART_ATTENTION, PART_ROUTER, PART_EXPERTS, PART_SHARED, PART_HEAD, N_PARTS };
-static const char *part_names[N_PARTS] = { "attention", "router", "experts", "shared/dense", "embed+head" };
+enum { PART_QKV, PART_ROPE_KV, PART_ATTEND, PART_O, PART_ROUTER, PART_EXPERTS, PART_SHARED, PART_HEAD, N_PARTS };
+static const char *part_names[N_PARTS] = {
+  "norm+qkv", "rope+kv", "attend", "o+norm", "router", "experts", "shared/dense", "embed+head"
+};
 
-typedef struct {
+typedef struct _Trace {
   gboolean    on;
   cudaEvent_t start;
   GArray     *events;   /* cudaEvent_t after each part */
@@ -636,6 +644,7 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
   /* one projection: each row is [q | k | v] */
   if ((qkv = linear (d, &L->qkv, x, m->hidden, rows, error)) == NULL)
     return NULL;
+  trace_mark (s->trace, stream, PART_QKV);
   if (m->qk_norm == QK_NORM_FULL)
     {
       norm (d, qkv, 0, NULL, rows, qn, n, L->q_norm, qkv, 0, n);
@@ -654,7 +663,9 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
                      (char *) DATA (qkv) + (gsize) qn * d->elem, n, hd, hd, NULL, 0, 0, 0,
                      (char *) DATA (qkv) + (gsize) (qn + kn) * d->elem, n, hd, hd,
                      DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past, stream);
+  trace_mark (s->trace, stream, PART_ROPE_KV);
   a = attend (d, s, li, qkv, n, hd, hd, error);
+  trace_mark (s->trace, stream, PART_ATTEND);
   return a ? linear (d, &L->o, a, qn, rows, error) : NULL;
 }
 
@@ -772,8 +783,8 @@ moe_cuda_decoder_forward (MoeDevice  *device,
   g_autoptr(MoeTensor) ids = NULL, positions = NULL, key_valid = NULL;
   g_autoptr(MoeTensor) h = NULL, x = NULL, y = NULL, xf = NULL, logits = NULL, logits_f32 = NULL;
   DevCache *c;
-  Step s = { st, NULL, kv->length, rows, NULL, NULL };
   Trace tr = { g_getenv ("MOE_CUDA_TRACE") != NULL, };
+  Step s = { st, NULL, kv->length, rows, NULL, NULL, &tr };
 
   if (tr.on)
     {
@@ -823,7 +834,7 @@ moe_cuda_decoder_forward (MoeDevice  *device,
       if (a == NULL)
         return FALSE;
       norm (d, h, 0, a, rows, H, H, L->post_norm, x, 0, H);
-      trace_mark (&tr, d->dev->stream, PART_ATTENTION);
+      trace_mark (&tr, d->dev->stream, PART_O);
       g_clear_object (&y);
       y = m->layer[li].is_moe ? moe_block (d, li, x, rows, &tr, error) : mlp (d, L, x, rows, error);
       if (y == NULL)
