@@ -51,3 +51,28 @@ moe_test_data_path (const char *first, ...)
   g_ptr_array_free (parts, TRUE);
   return path;
 }
+
+/* A tensor of a whole-model fixture: tests/data/models/FAMILY/FILE. */
+static inline MoeTensor *
+moe_test_model_reference (const char *family, const char *file, const char *name)
+{
+  g_autoptr(GError) error = NULL;
+  g_autofree char *path = moe_test_data_path ("models", family, file, NULL);
+  g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (path, &error);
+  MoeTensor *t;
+
+  g_assert_no_error (error);
+  t = moe_checkpoint_get_tensor (ck, name, &error);
+  g_assert_no_error (error);
+  return t;
+}
+
+/* The first row of [B, T] ids, as [1, T]. */
+static inline MoeTensor *
+moe_test_first_row (MoeTensor *ids)
+{
+  gint64 shape[2] = { 1, moe_tensor_get_dim (ids, 1) };
+  g_autoptr(GBytes) all = moe_tensor_dup_bytes (ids, NULL);
+  g_autoptr(GBytes) row = g_bytes_new_from_bytes (all, 0, shape[1] * sizeof (gint64));
+  return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, row, NULL);
+}

@@ -30,29 +30,6 @@ load_model (const char *family, const char *dtype, const char *impl)
   return model;
 }
 
-static MoeTensor *
-reference (const char *family, const char *file, const char *name)
-{
-  g_autoptr(GError) error = NULL;
-  g_autofree char *path = moe_test_data_path ("models", family, file, NULL);
-  g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (path, &error);
-  MoeTensor *t;
-
-  g_assert_no_error (error);
-  t = moe_checkpoint_get_tensor (ck, name, &error);
-  g_assert_no_error (error);
-  return t;
-}
-
-static MoeTensor *
-first_row (MoeTensor *ids)
-{
-  gint64 shape[2] = { 1, moe_tensor_get_dim (ids, 1) };
-  g_autoptr(GBytes) all = moe_tensor_dup_bytes (ids, NULL);
-  g_autoptr(GBytes) row = g_bytes_new_from_bytes (all, 0, shape[1] * sizeof (gint64));
-  return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, row, NULL);
-}
-
 static void
 assert_same_ids (MoeTensor *a, MoeTensor *b)
 {
@@ -68,10 +45,10 @@ test_family_f32 (gconstpointer data)
 {
   const char *family = data;
   g_autoptr(MoeModel) model = load_model (family, "float32", NULL);
-  g_autoptr(MoeTensor) ids = reference (family, "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) ref = reference (family, "reference.safetensors", "logits");
-  g_autoptr(MoeTensor) generated = reference (family, "reference.safetensors", "generated");
-  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeTensor) ids = moe_test_model_reference (family, "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) ref = moe_test_model_reference (family, "reference.safetensors", "logits");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference (family, "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
   g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
 
   g_object_set (cfg, "max-new-tokens", 12, NULL);
@@ -102,15 +79,15 @@ test_family_bf16 (gconstpointer data)
 {
   const char *family = data;
   g_autoptr(MoeModel) model = load_model (family, "bfloat16", NULL);
-  g_autoptr(MoeTensor) ids = reference (family, "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) shipped = reference (family, "reference.safetensors", "logits_bf16");
+  g_autoptr(MoeTensor) ids = moe_test_model_reference (family, "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) shipped = moe_test_model_reference (family, "reference.safetensors", "logits_bf16");
 
   g_assert_cmpstr (moe_model_get_dtype (model), ==, "bfloat16");
   for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
     {
       g_autoptr(GError) error = NULL;
       g_autofree char *name = g_strdup_printf ("logits_bf16_%s", backends[i]);
-      g_autoptr(MoeTensor) ref = reference (family, "reference_bf16_backends.safetensors", name);
+      g_autoptr(MoeTensor) ref = moe_test_model_reference (family, "reference_bf16_backends.safetensors", name);
       g_autoptr(MoeTensor) logits = NULL;
       double err, err_shipped;
 
@@ -161,8 +138,8 @@ test_sub_config_map (void)
   g_autoptr(GHashTable) map = NULL;
   g_autoptr(GPtrArray) events = g_ptr_array_new_with_free_func (g_free);
   g_autoptr(GPtrArray) text_events = g_ptr_array_new_with_free_func (g_free);
-  g_autoptr(MoeTensor) ids = reference ("qwen3_vl_moe", "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) ref = reference ("qwen3_vl_moe", "reference.safetensors", "logits");
+  g_autoptr(MoeTensor) ids = moe_test_model_reference ("qwen3_vl_moe", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) ref = moe_test_model_reference ("qwen3_vl_moe", "reference.safetensors", "logits");
   g_autofree char *impl = NULL;
 
   /* what transformers' reference.json records after this set */
@@ -251,7 +228,7 @@ test_selection_errors (void)
    * availability lazily, at the first forward) */
   g_assert_true (moe_model_set_experts_implementation (model, "deepgemm", &error));
   {
-    g_autoptr(MoeTensor) ids = reference ("qwen3_moe", "reference.safetensors", "input_ids");
+    g_autoptr(MoeTensor) ids = moe_test_model_reference ("qwen3_moe", "reference.safetensors", "input_ids");
     g_autoptr(MoeTensor) logits = moe_model_forward (model, ids, &error);
     g_assert_null (logits);
     g_assert_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED);
@@ -329,8 +306,8 @@ break_text_config (MoeModel *model, MoePhase phase)
 static MoeTensor *
 run_watched (Watch *w, MoeDecodeSwitch policy, GError **error)
 {
-  g_autoptr(MoeTensor) ids = reference ("qwen2_moe", "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeTensor) ids = moe_test_model_reference ("qwen2_moe", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
   g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
 
   g_object_set (cfg, "max-new-tokens", 6, NULL);
@@ -371,7 +348,7 @@ static void
 test_decode_switch (void)
 {
   g_autoptr(GError) error = NULL;
-  g_autoptr(MoeTensor) generated = reference ("qwen2_moe", "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference ("qwen2_moe", "reference.safetensors", "generated");
   Watch w;
 
   /* always: grouped_mm → batched_mm for the decode loop, back at the end */
@@ -459,8 +436,8 @@ test_decode_switch (void)
   {
     g_autofree char *path = moe_test_data_path ("models", "qwen3_vl_moe", NULL);
     g_autoptr(MoeModel) vl = moe_model_new_from_pretrained (path, NULL, NULL, &error);
-    g_autoptr(MoeTensor) ids = reference ("qwen3_vl_moe", "reference.safetensors", "input_ids");
-    g_autoptr(MoeTensor) prompt = first_row (ids);
+    g_autoptr(MoeTensor) ids = moe_test_model_reference ("qwen3_vl_moe", "reference.safetensors", "input_ids");
+    g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
     g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
     g_autoptr(MoeTensor) out = NULL;
     g_autoptr(GHashTable) map = NULL;
@@ -487,8 +464,8 @@ test_decode_switch (void)
   /* one new token: no decode step, no switch */
   watch_init (&w);
   {
-    g_autoptr(MoeTensor) ids = reference ("qwen2_moe", "reference.safetensors", "input_ids");
-    g_autoptr(MoeTensor) prompt = first_row (ids);
+    g_autoptr(MoeTensor) ids = moe_test_model_reference ("qwen2_moe", "reference.safetensors", "input_ids");
+    g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
     g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
     g_autoptr(MoeTensor) out = NULL;
     g_object_set (cfg, "max-new-tokens", 1, NULL);
@@ -552,9 +529,9 @@ static void
 test_sampling_and_stop (void)
 {
   g_autoptr(MoeModel) model = load_model ("mixtral", "float32", NULL);
-  g_autoptr(MoeTensor) ids = reference ("mixtral", "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) generated = reference ("mixtral", "reference.safetensors", "generated");
-  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeTensor) ids = moe_test_model_reference ("mixtral", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference ("mixtral", "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
   g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
   g_autoptr(GError) error = NULL;
   g_autoptr(MoeTensor) s1 = NULL, s2 = NULL, s3 = NULL, greedy = NULL, stopped = NULL;
@@ -734,9 +711,9 @@ static void
 test_async (void)
 {
   g_autoptr(MoeModel) model = load_model ("gpt_oss", "float32", NULL);
-  g_autoptr(MoeTensor) ids = reference ("gpt_oss", "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) generated = reference ("gpt_oss", "reference.safetensors", "generated");
-  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeTensor) ids = moe_test_model_reference ("gpt_oss", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference ("gpt_oss", "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
   g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
   AsyncRun r = { g_main_loop_new (NULL, FALSE), };
   guint tick;

@@ -26,23 +26,6 @@ load (const char *family)
   return model;
 }
 
-static MoeTensor *
-reference (const char *family, const char *name)
-{
-  g_autofree char *path = moe_test_data_path ("models", family, "reference.safetensors", NULL);
-  g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (path, NULL);
-  return moe_checkpoint_get_tensor (ck, name, NULL);
-}
-
-static MoeTensor *
-first_row (MoeTensor *ids)
-{
-  gint64 shape[2] = { 1, moe_tensor_get_dim (ids, 1) };
-  g_autoptr(GBytes) all = moe_tensor_dup_bytes (ids, NULL);
-  g_autoptr(GBytes) row = g_bytes_new_from_bytes (all, 0, shape[1] * sizeof (gint64));
-  return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, row, NULL);
-}
-
 typedef struct {
   MoeModel  *model;
   MoeTensor *ids;
@@ -69,7 +52,9 @@ forward_thread (gpointer data)
 static void
 test_concurrent_forwards (void)
 {
-  Shared s = { load ("qwen2_moe"), reference ("qwen2_moe", "input_ids"), reference ("qwen2_moe", "logits"), 0 };
+  Shared s = { load ("qwen2_moe"),
+               moe_test_model_reference ("qwen2_moe", "reference.safetensors", "input_ids"),
+               moe_test_model_reference ("qwen2_moe", "reference.safetensors", "logits"), 0 };
   GThread *threads[4];
 
   for (guint i = 0; i < G_N_ELEMENTS (threads); i++)
@@ -109,9 +94,9 @@ static void
 test_switch_during_generation (void)
 {
   Switcher w = { load ("mixtral"), 0, 0 };
-  g_autoptr(MoeTensor) ids = reference ("mixtral", "input_ids");
-  g_autoptr(MoeTensor) generated = reference ("mixtral", "generated");
-  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeTensor) ids = moe_test_model_reference ("mixtral", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference ("mixtral", "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
   g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
   GThread *thread;
 
@@ -161,9 +146,9 @@ static void
 test_cancel_every_step (void)
 {
   g_autoptr(MoeModel) model = load ("qwen3_moe");
-  g_autoptr(MoeTensor) ids = reference ("qwen3_moe", "input_ids");
-  g_autoptr(MoeTensor) generated = reference ("qwen3_moe", "generated");
-  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeTensor) ids = moe_test_model_reference ("qwen3_moe", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference ("qwen3_moe", "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
   g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
 
   g_object_set (cfg, "max-new-tokens", 12, NULL);
@@ -204,9 +189,9 @@ static void
 test_unref_while_async (void)
 {
   MoeModel *model = load ("olmoe");
-  g_autoptr(MoeTensor) ids = reference ("olmoe", "input_ids");
-  g_autoptr(MoeTensor) generated = reference ("olmoe", "generated");
-  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeTensor) ids = moe_test_model_reference ("olmoe", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference ("olmoe", "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
   g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
   Run r = { g_main_loop_new (NULL, FALSE), };
 
@@ -251,8 +236,8 @@ test_out_of_memory (void)
       g_autofree gint64 *big = g_new0 (gint64, T);
       g_autoptr(GBytes) big_bytes = g_bytes_new (big, T * 8);
       g_autoptr(MoeTensor) ids = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, big_bytes, NULL);
-      g_autoptr(MoeTensor) small = reference ("qwen3_moe", "input_ids");
-      g_autoptr(MoeTensor) ref = reference ("qwen3_moe", "logits");
+      g_autoptr(MoeTensor) small = moe_test_model_reference ("qwen3_moe", "reference.safetensors", "input_ids");
+      g_autoptr(MoeTensor) ref = moe_test_model_reference ("qwen3_moe", "reference.safetensors", "logits");
       g_autoptr(MoeTensor) logits = NULL;
       struct rlimit limit;
       guint64 vm_kb = 0;

@@ -32,29 +32,6 @@ load_model (const char *family, const char *dtype)
   return model;
 }
 
-static MoeTensor *
-reference (const char *family, const char *file, const char *name)
-{
-  g_autoptr(GError) error = NULL;
-  g_autofree char *path = moe_test_data_path ("models", family, file, NULL);
-  g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (path, &error);
-  MoeTensor *t;
-
-  g_assert_no_error (error);
-  t = moe_checkpoint_get_tensor (ck, name, &error);
-  g_assert_no_error (error);
-  return t;
-}
-
-static MoeTensor *
-first_row (MoeTensor *ids)
-{
-  gint64 shape[2] = { 1, moe_tensor_get_dim (ids, 1) };
-  g_autoptr(GBytes) all = moe_tensor_dup_bytes (ids, NULL);
-  g_autoptr(GBytes) row = g_bytes_new_from_bytes (all, 0, shape[1] * sizeof (gint64));
-  return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, row, NULL);
-}
-
 /* fp32 logits within 1e-4 and greedy generation token for token, with
  * every backend (float32 matmuls without TF32) */
 static void
@@ -62,10 +39,10 @@ test_family_f32 (gconstpointer data)
 {
   const char *family = data;
   g_autoptr(MoeModel) model = load_model (family, "float32");
-  g_autoptr(MoeTensor) ids = reference (family, "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) ref = reference (family, "reference.safetensors", "logits");
-  g_autoptr(MoeTensor) generated = reference (family, "reference.safetensors", "generated");
-  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeTensor) ids = moe_test_model_reference (family, "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) ref = moe_test_model_reference (family, "reference.safetensors", "logits");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference (family, "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
   g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
 
   g_object_set (cfg, "max-new-tokens", 12, NULL);
@@ -96,13 +73,13 @@ test_family_bf16 (gconstpointer data)
 {
   const char *family = data;
   g_autoptr(MoeModel) model = load_model (family, "bfloat16");
-  g_autoptr(MoeTensor) ids = reference (family, "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) ids = moe_test_model_reference (family, "reference.safetensors", "input_ids");
 
   for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
     {
       g_autoptr(GError) error = NULL;
       g_autofree char *name = g_strdup_printf ("logits_bf16_%s", backends[i]);
-      g_autoptr(MoeTensor) ref = reference (family, "reference_bf16_backends.safetensors", name);
+      g_autoptr(MoeTensor) ref = moe_test_model_reference (family, "reference_bf16_backends.safetensors", name);
       g_autoptr(MoeTensor) logits = NULL;
       double err;
 
@@ -138,9 +115,9 @@ static void
 test_decode_switch (void)
 {
   g_autoptr(MoeModel) model = load_model ("qwen3_moe", "float32");
-  g_autoptr(MoeTensor) ids = reference ("qwen3_moe", "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) generated = reference ("qwen3_moe", "reference.safetensors", "generated");
-  g_autoptr(MoeTensor) prompt = first_row (ids);
+  g_autoptr(MoeTensor) ids = moe_test_model_reference ("qwen3_moe", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference ("qwen3_moe", "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
   g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
   g_autoptr(GPtrArray) events = g_ptr_array_new_with_free_func (g_free);
   g_autoptr(GError) error = NULL;
@@ -167,8 +144,8 @@ static void
 test_padded_batch (void)
 {
   g_autoptr(MoeModel) model = load_model ("qwen2_moe", "float32");
-  g_autoptr(MoeTensor) ids = reference ("qwen2_moe", "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) generated = reference ("qwen2_moe", "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) ids = moe_test_model_reference ("qwen2_moe", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference ("qwen2_moe", "reference.safetensors", "generated");
   g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
   g_autoptr(GError) error = NULL;
   g_autoptr(MoeTensor) batch = NULL, mask = NULL, out = NULL;
