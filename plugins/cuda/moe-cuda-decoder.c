@@ -657,8 +657,8 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
     }
   if (m->clip_qkv > 0)
     moe_cuda_clamp (d->dtype, DATA (qkv), (gsize) rows * n, m->clip_qkv, stream);
-  rope (d, s, qkv, 0, m->heads, n, hd);
-  rope (d, s, qkv, qn, m->kv_heads, n, hd);
+  /* q's heads and k's follow each other in the row: one rotation */
+  rope (d, s, qkv, 0, m->heads + m->kv_heads, n, hd);
   moe_cuda_store_kv (d->dtype, s->st->batch, s->st->n_tokens, m->kv_heads,
                      (char *) DATA (qkv) + (gsize) qn * d->elem, n, hd, hd, NULL, 0, 0, 0,
                      (char *) DATA (qkv) + (gsize) (qn + kn) * d->elem, n, hd, hd,
