@@ -511,21 +511,17 @@ route_kernel (MoeCudaRouter r)
     }
 }
 
-/* a warp per output n: 16-byte loads of its weight row, each against the
- * R input rows (which stay in L1/L2) */
+/* acc[r] += w · x[r] for the R rows: a warp, 16-byte loads of the weight
+ * row (four in flight per lane: the memory's speed), the inputs from L1/L2 */
 template <typename T, int R>
-__global__ void __launch_bounds__ (256)
-gemv_kernel (const T *W, int out, int in, const T *x, int ldx, const T *bias, void *y, int y_f32)
+__device__ __forceinline__ void
+warp_dot (const T *w, const T *x, int ldx, int in, bool vec, float *acc)
 {
   constexpr int V = 16 / sizeof (T);
-  int n = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-  const T *w = W + (size_t) n * in;
-  float acc[R] = {};
+  int lane = threadIdx.x % 32;
 
-  if (n >= out)
-    return;
-  if ((((uintptr_t) x | (uintptr_t) W) % 16 == 0) && in % V == 0 && ldx % V == 0)
-#pragma unroll 4   /* four 16-byte weight loads in flight per lane: the memory's speed */
+  if (vec)
+#pragma unroll 4
     for (int k = lane * V; k < in; k += 32 * V)
       {
         uint4 wv = __ldg ((const uint4 *) (w + k));
@@ -550,14 +546,56 @@ gemv_kernel (const T *W, int out, int in, const T *x, int ldx, const T *bias, vo
       }
 #pragma unroll
   for (int r = 0; r < R; r++)
+    acc[r] = warp_sum (acc[r]);
+}
+
+/* A warp per output n of a few rows' projection, with its epilogue:
+ * GEMV_PLAIN y = x·wᵀ + b; GEMV_GATED (w is [gate; up], 2·out rows)
+ * y = act(gate) · up, each rounded as torch; GEMV_ADD y += (sigmoid(gate) ·)
+ * x·wᵀ, a shared expert added to the routed experts' output. */
+enum { GEMV_PLAIN, GEMV_GATED, GEMV_ADD };
+
+template <typename T, int R, int EPI>
+__global__ void __launch_bounds__ (256)
+gemv_kernel (MoeCudaGemv a)
+{
+  constexpr int V = 16 / sizeof (T);
+  int n = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const T *W = (const T *) a.w, *x = (const T *) a.x, *bias = (const T *) a.bias;
+  bool vec = (((uintptr_t) x | (uintptr_t) W) % 16 == 0) && a.in % V == 0 && a.ldx % V == 0;
+  float acc[R] = {}, up[R] = {};
+
+  if (n >= a.out)
+    return;
+  warp_dot<T, R> (W + (size_t) n * a.in, x, a.ldx, a.in, vec, acc);
+  if (EPI == GEMV_GATED)
+    warp_dot<T, R> (W + (size_t) (a.out + n) * a.in, x, a.ldx, a.in, vec, up);
+  if (lane != 0)
+    return;
+#pragma unroll
+  for (int r = 0; r < R; r++)
     {
-      float v = warp_sum (acc[r]) + (bias != nullptr ? to_f (bias[n]) : 0.0f);
-      if (lane == 0)
+      size_t o = (size_t) r * a.out + n;
+      if (EPI == GEMV_GATED)
         {
-          if (y_f32)
-            ((float *) y)[(size_t) r * out + n] = v;
+          float g = rnd<T> (acc[r] + (bias ? to_f (bias[n]) : 0.0f));
+          float u = rnd<T> (up[r] + (bias ? to_f (bias[a.out + n]) : 0.0f));
+          ((T *) a.y)[o] = from_f<T> (rnd<T> (activate (a.activation, g)) * u);
+        }
+      else if (EPI == GEMV_ADD)
+        {
+          float v = rnd<T> (acc[r]);
+          if (a.gate != nullptr)
+            v = rnd<T> (rnd<T> (1.0f / (1.0f + expf (-to_f (((const T *) a.gate)[(size_t) r * a.gate_stride])))) * v);
+          ((T *) a.y)[o] = from_f<T> (to_f (((T *) a.y)[o]) + v);
+        }
+      else
+        {
+          float v = acc[r] + (bias ? to_f (bias[n]) : 0.0f);
+          if (a.y_f32)
+            ((float *) a.y)[o] = v;
           else
-            ((T *) y)[(size_t) r * out + n] = from_f<T> (v);
+            ((T *) a.y)[o] = from_f<T> (v);
         }
     }
 }
@@ -709,20 +747,34 @@ moe_cuda_route (const MoeCudaRouter *r, cudaStream_t s)
             route_kernel<T><<<r->rows, 32, smem, s>>> (*r));
 }
 
-extern "C" void
-moe_cuda_gemv (int dtype, const void *w, int out, int in, const void *x, int ldx, int rows, const void *bias,
-               void *y, int y_f32, cudaStream_t s)
+template <typename T, int EPI>
+void
+launch_gemv (const MoeCudaGemv *a, cudaStream_t s)
 {
-  unsigned blocks = (unsigned) ((out + 7) / 8);
-#define GEMV_ROWS(R) case R: gemv_kernel<T, R><<<blocks, 256, 0, s>>> ((const T *) w, out, in, (const T *) x, ldx, \
-                                                                     (const T *) bias, y, y_f32); break
-  DISPATCH (dtype,
-            switch (rows)
-              {
-              GEMV_ROWS (1); GEMV_ROWS (2); GEMV_ROWS (3); GEMV_ROWS (4);
-              GEMV_ROWS (5); GEMV_ROWS (6); GEMV_ROWS (7); default: GEMV_ROWS (8);
-              });
-#undef GEMV_ROWS
+  unsigned blocks = (unsigned) ((a->out + 7) / 8);
+  switch (a->rows)
+    {
+    case 1: gemv_kernel<T, 1, EPI><<<blocks, 256, 0, s>>> (*a); break;
+    case 2: gemv_kernel<T, 2, EPI><<<blocks, 256, 0, s>>> (*a); break;
+    case 3: gemv_kernel<T, 3, EPI><<<blocks, 256, 0, s>>> (*a); break;
+    case 4: gemv_kernel<T, 4, EPI><<<blocks, 256, 0, s>>> (*a); break;
+    case 5: gemv_kernel<T, 5, EPI><<<blocks, 256, 0, s>>> (*a); break;
+    case 6: gemv_kernel<T, 6, EPI><<<blocks, 256, 0, s>>> (*a); break;
+    case 7: gemv_kernel<T, 7, EPI><<<blocks, 256, 0, s>>> (*a); break;
+    default: gemv_kernel<T, 8, EPI><<<blocks, 256, 0, s>>> (*a); break;
+    }
+}
+
+extern "C" void
+moe_cuda_gemv (const MoeCudaGemv *a, cudaStream_t s)
+{
+  DISPATCH (a->dtype,
+            if (a->gated)
+              launch_gemv<T, GEMV_GATED> (a, s);
+            else if (a->add)
+              launch_gemv<T, GEMV_ADD> (a, s);
+            else
+              launch_gemv<T, GEMV_PLAIN> (a, s));
 }
 
 extern "C" void

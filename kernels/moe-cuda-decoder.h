@@ -137,10 +137,25 @@ void moe_cuda_bias_round     (int dtype, const float *acc, const void *bias, int
 /* y [rows, out] = x [rows, in] (rows @ldx apart) · wᵀ (+ bias) for a few
  * rows (≤ MOE_CUDA_GEMV_ROWS): a warp per output, weights read once, at
  * the memory's speed where a GEMM library's tiles would leave most of the
- * GPU idle. y is float32 (unrounded) with @y_f32, else the model dtype. */
+ * GPU idle; with an epilogue that saves a pass over the output. */
 #define MOE_CUDA_GEMV_ROWS 8
-void moe_cuda_gemv           (int dtype, const void *w, int out, int in, const void *x, int ldx, int rows,
-                              const void *bias, void *y, int y_f32, cudaStream_t stream);
+typedef struct {
+  int dtype;
+  const void *w;          /* [out, in]; [2·out, in] (gate; up) with @gated */
+  int out, in, rows;
+  const void *x;          /* [rows, in], rows @ldx apart */
+  int ldx;
+  const void *bias;       /* [out] ([2·out] with @gated) or NULL */
+  void *y;                /* [rows, out] */
+  int y_f32;              /* y in float32, unrounded (plain only) */
+  int gated;              /* y = act(x·gateᵀ + b) · (x·upᵀ + b), each rounded */
+  int activation;
+  int add;                /* y += x·wᵀ, or y += sigmoid(gate[r]) · x·wᵀ */
+  const void *gate;       /* with @add: [rows] @gate_stride apart, or NULL */
+  int gate_stride;
+} MoeCudaGemv;
+
+void moe_cuda_gemv           (const MoeCudaGemv *g, cudaStream_t stream);
 
 /* y = x as float32 */
 void moe_cuda_to_f32         (int dtype, const void *x, size_t n, float *y, cudaStream_t stream);

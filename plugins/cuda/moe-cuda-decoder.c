@@ -380,8 +380,11 @@ project (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboo
     return NULL;
   if (rows <= d->gemv_rows)
     {
-      moe_cuda_gemv (d->dtype, DATA (lin->weight), lin->out, lin->in, DATA (x), ldx, rows, OPT (lin->bias),
-                     DATA (y), f32, d->dev->stream);
+      MoeCudaGemv g = {
+        .dtype = d->dtype, .w = DATA (lin->weight), .out = lin->out, .in = lin->in, .rows = rows,
+        .x = DATA (x), .ldx = ldx, .bias = OPT (lin->bias), .y = DATA (y), .y_f32 = f32,
+      };
+      moe_cuda_gemv (&g, d->dev->stream);
       return g_steal_pointer (&y);
     }
   if (lin->bias != NULL && !f32 && (acc = new_f32 (d, rows, lin->out, error)) == NULL)
@@ -706,17 +709,49 @@ attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
   return a ? linear (d, &L->o, a, m->heads * dv, rows, error) : NULL;
 }
 
-/* act(gate(x)) · up(x), then down: a dense MLP or the shared expert */
+/* act(gate(x)) · up(x), then down: a dense MLP, or the shared expert added
+ * to @into (the routed experts' output; times sigmoid(@gate) where the
+ * model gates it). A few rows: two GEMVs with those steps in their
+ * epilogues; more: cuBLAS and two small kernels. */
 static MoeTensor *
-mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, GError **error)
+mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, MoeTensor *gate, GError **error)
 {
-  int inter = L->gate_up.out / 2;
-  g_autoptr(MoeTensor) gu = linear (d, &L->gate_up, x, d->m->hidden, rows, error);
+  int inter = L->gate_up.out / 2, H = d->m->hidden;
+  cudaStream_t stream = d->dev->stream;
 
-  if (gu == NULL)
-    return NULL;
-  moe_cuda_act_mul (d->dtype, DATA (gu), rows, inter, 2 * inter, d->m->act_fn, d->dev->stream);
-  return linear (d, &L->down, gu, 2 * inter, rows, error);
+  if (rows <= d->gemv_rows)
+    {
+      g_autoptr(MoeTensor) h = new_act (d, rows, inter, error);
+      g_autoptr(MoeTensor) y = into ? g_object_ref (into) : (h ? new_act (d, rows, H, error) : NULL);
+      MoeCudaGemv gu = {
+        .dtype = d->dtype, .w = y ? DATA (L->gate_up.weight) : NULL, .out = inter, .in = H, .rows = rows,
+        .x = DATA (x), .ldx = H, .bias = OPT (L->gate_up.bias), .y = y ? DATA (h) : NULL,
+        .gated = TRUE, .activation = d->m->act_fn,
+      };
+      MoeCudaGemv down = {
+        .dtype = d->dtype, .w = y ? DATA (L->down.weight) : NULL, .out = H, .in = inter, .rows = rows,
+        .x = y ? DATA (h) : NULL, .ldx = inter, .y = y ? DATA (y) : NULL,
+        .add = into != NULL, .gate = OPT (gate), .gate_stride = 1,
+      };
+      if (y == NULL)
+        return NULL;
+      moe_cuda_gemv (&gu, stream);
+      moe_cuda_gemv (&down, stream);
+      return g_steal_pointer (&y);
+    }
+  {
+    g_autoptr(MoeTensor) gu = linear (d, &L->gate_up, x, H, rows, error);
+    g_autoptr(MoeTensor) y = NULL;
+
+    if (gu == NULL)
+      return NULL;
+    moe_cuda_act_mul (d->dtype, DATA (gu), rows, inter, 2 * inter, d->m->act_fn, stream);
+    y = linear (d, &L->down, gu, 2 * inter, rows, error);
+    if (y == NULL || into == NULL)
+      return g_steal_pointer (&y);
+    moe_cuda_add_gated (d->dtype, DATA (into), DATA (y), OPT (gate), rows, H, stream);
+    return g_object_ref (into);
+  }
 }
 
 static MoeTensor *
@@ -750,13 +785,11 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **err
   trace_mark (tr, d->dev->stream, PART_EXPERTS);
   if (m->has_shared)
     {
-      g_autoptr(MoeTensor) shared = mlp (d, L, x, rows, error);
-      g_autoptr(MoeTensor) gate = NULL;
-      if (shared == NULL)
-        return NULL;
+      g_autoptr(MoeTensor) gate = NULL, sum = NULL;
       if (m->shared_gated && (gate = linear (d, &L->shared_gate, x, m->hidden, rows, error)) == NULL)
         return NULL;
-      moe_cuda_add_gated (d->dtype, DATA (y), DATA (shared), OPT (gate), rows, m->hidden, d->dev->stream);
+      if ((sum = mlp (d, L, x, rows, y, gate, error)) == NULL)
+        return NULL;
     }
   return g_steal_pointer (&y);
 }
@@ -836,7 +869,7 @@ moe_cuda_decoder_forward (MoeDevice  *device,
       norm (d, h, 0, a, rows, H, H, L->post_norm, x, 0, H);
       trace_mark (&tr, d->dev->stream, PART_O);
       g_clear_object (&y);
-      y = m->layer[li].is_moe ? moe_block (d, li, x, rows, &tr, error) : mlp (d, L, x, rows, error);
+      y = m->layer[li].is_moe ? moe_block (d, li, x, rows, &tr, error) : mlp (d, L, x, rows, NULL, NULL, error);
       if (y == NULL)
         return FALSE;
       trace_mark (&tr, d->dev->stream, PART_SHARED);
