@@ -199,9 +199,11 @@ moe_cuda_decoder_new (MoeDevice      *device,
   d->m = m;
   d->dtype = m->dtype;
   d->elem = m->dtype == MOE_DTYPE_F32 ? 4 : 2;
-  /* MOE_CUDA_GEMV_ROWS (0…8) moves the GEMV/cuBLAS split, for measuring */
+  /* GEMVs up to 4 rows: measured on the H200 (BENCHMARKS.md), they beat
+   * cuBLAS at batch-1 decode (3.9 against 4.8 ms a step) and lose to it at
+   * batch 8 (9.3 against 8.5 ms). MOE_CUDA_GEMV_ROWS (0…8) moves the split. */
   d->gemv_rows = g_getenv ("MOE_CUDA_GEMV_ROWS") ? CLAMP (atoi (g_getenv ("MOE_CUDA_GEMV_ROWS")), 0, MOE_CUDA_GEMV_ROWS)
-                                                 : MOE_CUDA_GEMV_ROWS;
+                                                 : 4;
   if (m->dtype != MOE_DTYPE_F32 && m->dtype != MOE_DTYPE_BF16 && m->dtype != MOE_DTYPE_F16)
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
