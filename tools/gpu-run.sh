@@ -10,8 +10,9 @@
 #   tools/gpu-run.sh model-bench [ARGS]
 #                                   tools/bench-model-cuda.py ARGS (a whole
 #                                   model, beside transformers)
-#   tools/gpu-run.sh sanitize TOOL [-p TESTPATH ...]
-#                                   the gpu suite under compute-sanitizer
+#   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
+#                                   a gpu test (test-cuda-experts, or
+#                                   test-cuda-model) under compute-sanitizer
 #                                   --tool TOOL (memcheck, racecheck, …)
 #
 # The machine has CUDA and cuBLAS but no GLib: the bundle carries GLib.
@@ -56,7 +57,9 @@ case "$what" in
   sanitize)
     tool=${1:-memcheck}
     [ $# -gt 0 ] && shift
-    exec compute-sanitizer --tool "$tool" --error-exitcode 3 "$root/bin/test-cuda-experts" "$@"
+    test=test-cuda-experts
+    case "${1:-}" in test-cuda-*) test=$1; shift ;; esac
+    exec compute-sanitizer --tool "$tool" --error-exitcode 3 "$root/bin/$test" "$@"
     ;;
   bench)
     PYTHONUNBUFFERED=1 exec python3 tools/bench-experts-cuda.py --libmoe-bench "$root/bin/moe-bench-cuda-experts" "$@"
