@@ -166,9 +166,11 @@ store_kv_kernel (int n_tokens, int kv_heads,
                  const T *k1, int k1_row, int k1_head, int n1,
                  const T *k2, int k2_row, int k2_head, int n2,
                  const T *v, int v_row, int v_head, int dv,
-                 T *k_cache, T *v_cache, int capacity, int past)
+                 T *k_cache, T *v_cache, int capacity, int past, const int *past_dev)
 {
   int row = blockIdx.x, h = blockIdx.y;
+  if (past_dev != nullptr)
+    past = *past_dev;
   int b = row / n_tokens, t = row % n_tokens;
   size_t slot = ((size_t) b * kv_heads + h) * capacity + past + t;
   T *kd = k_cache + slot * (n1 + n2);
@@ -191,8 +193,9 @@ attention_kernel (MoeCudaAttention a)
   extern __shared__ float sm[];
   float *qs = sm, *score = sm + a.dk;
   int row = blockIdx.x, h = blockIdx.y;
-  int b = row / a.n_tokens, t = row % a.n_tokens;
-  int len = a.past + a.n_tokens, qpos = a.past + t;
+  int b = row / a.n_tokens, t = row % a.n_tokens, past = a.past_dev != nullptr ? *a.past_dev : a.past;
+  int len = past + a.n_tokens, qpos = past + t;
+  size_t kv_stride = a.key_valid_stride > 0 ? a.key_valid_stride : len;
   int g = h / (a.heads / a.kv_heads);
   int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
   const T *q = (const T *) a.q + (size_t) row * a.q_row_stride + (size_t) h * a.dk;
@@ -207,7 +210,7 @@ attention_kernel (MoeCudaAttention a)
 
   for (int j = warp; j < len; j += nw)
     {
-      bool ok = j <= qpos && (a.key_valid == nullptr || a.key_valid[(size_t) b * len + j]) &&
+      bool ok = j <= qpos && (a.key_valid == nullptr || a.key_valid[b * kv_stride + j]) &&
                 (a.window == 0 || qpos - j < a.window);
       float s = -INFINITY;
       if (ok)
@@ -696,19 +699,19 @@ moe_cuda_store_kv (int dtype, int batch, int n_tokens, int kv_heads,
                    const void *k1, int k1_row, int k1_head, int n1,
                    const void *k2, int k2_row, int k2_head, int n2,
                    const void *v, int v_row, int v_head, int dv,
-                   void *k_cache, void *v_cache, int capacity, int past, cudaStream_t s)
+                   void *k_cache, void *v_cache, int capacity, int past, const int *past_dev, cudaStream_t s)
 {
   dim3 grid (batch * n_tokens, kv_heads);
   DISPATCH (dtype, store_kv_kernel<T><<<grid, 128, 0, s>>> (n_tokens, kv_heads, (const T *) k1, k1_row, k1_head, n1,
                                                             (const T *) k2, k2_row, k2_head, n2,
                                                             (const T *) v, v_row, v_head, dv,
-                                                            (T *) k_cache, (T *) v_cache, capacity, past));
+                                                            (T *) k_cache, (T *) v_cache, capacity, past, past_dev));
 }
 
 extern "C" const char *
 moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
 {
-  size_t smem = (size_t) (a->dk + a->past + a->n_tokens) * sizeof (float);
+  size_t smem = (size_t) (a->dk + (a->past_dev != NULL ? a->max_len : a->past + a->n_tokens)) * sizeof (float);
   int max_smem = 0, dev = 0;
   dim3 grid (a->batch * a->n_tokens, a->heads);
 

@@ -48,24 +48,29 @@ void moe_cuda_rope           (int dtype, void *x, int rows, int heads, int row_s
                               float scale, int interleaved, cudaStream_t stream);
 
 /* Writes rows [B, T] of keys and values into a layer's cache, laid out
- * [B][kv_heads][capacity][d], at positions past…past+T-1. A key is @k1
+ * [B][kv_heads][capacity][d], at positions past…past+T-1 (past read from
+ * @past_dev where that is set: a CUDA graph's replays differ there). A key is @k1
  * (@n1 dims per head) followed by @k2 (@n2 dims, DeepSeek's shared RoPE
  * part: @k2_head_stride 0); strides in elements. */
 void moe_cuda_store_kv       (int dtype, int batch, int n_tokens, int kv_heads,
                               const void *k1, int k1_row_stride, int k1_head_stride, int n1,
                               const void *k2, int k2_row_stride, int k2_head_stride, int n2,
                               const void *v, int v_row_stride, int v_head_stride, int dv,
-                              void *k_cache, void *v_cache, int capacity, int past, cudaStream_t stream);
+                              void *k_cache, void *v_cache, int capacity, int past, const int *past_dev,
+                              cudaStream_t stream);
 
 typedef struct {
   int dtype;
   int batch, n_tokens, past;           /* keys 0…past+n_tokens-1 */
+  const int *past_dev;                  /* or past read here (CUDA graphs), NULL: @past */
+  int max_len;                          /* with past_dev: the most keys there may be */
   int heads, kv_heads, dk, dv;
   const void *q;                        /* [B*T][heads][dk] */
   int q_row_stride;                     /* elements between rows */
   const void *k_cache, *v_cache;        /* [B][kv_heads][capacity][d] */
   int capacity;
-  const uint8_t *key_valid;             /* [B][past+T] or NULL */
+  const uint8_t *key_valid;             /* [B][past+T] (rows @key_valid_stride apart when set) or NULL */
+  int key_valid_stride;
   int window;                           /* sliding window, 0: none */
   const float *sinks;                   /* [heads] or NULL */
   float scaling;

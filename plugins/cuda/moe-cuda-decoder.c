@@ -48,6 +48,18 @@ typedef struct {
   guint       batch, capacity;
   guint       layers;
   MoeTensor **k, **v;          /* per layer [B][kv_heads][capacity][d] */
+
+  /* the decode step as a CUDA graph: captured on the second one-token
+   * step with the same experts implementations (the first runs the
+   * just-in-time compiles and fills the allocator), replayed after that
+   * with its inputs in fixed buffers; dropped when the cache grows or the
+   * implementations change */
+  char           *warm;        /* the signature of the last one-token step run directly */
+  char           *signature;   /* of the captured graph */
+  char           *failed;      /* a signature whose capture failed: not tried again */
+  cudaGraphExec_t exec;
+  GSList         *pool;        /* the graph's memory */
+  MoeTensor      *g_ids, *g_positions, *g_past, *g_valid, *g_logits;
 } DevCache;
 
 /* ------------------------------------------------------------------ */
@@ -289,12 +301,31 @@ fail:
 /* ------------------------------------------------------------------ */
 /* KV cache                                                            */
 
+static void
+graph_drop (MoeCudaDevice *dev, DevCache *c)
+{
+  if (c->exec != NULL)
+    cudaGraphExecDestroy (c->exec);
+  c->exec = NULL;
+  if (c->pool != NULL)
+    moe_cuda_device_release_graph_pool (dev, g_steal_pointer (&c->pool));
+  g_clear_pointer (&c->signature, g_free);
+  g_clear_object (&c->g_ids);
+  g_clear_object (&c->g_positions);
+  g_clear_object (&c->g_past);
+  g_clear_object (&c->g_valid);
+  g_clear_object (&c->g_logits);
+}
+
 void
 moe_cuda_decoder_cache_free (MoeDevice *device,
                              gpointer   cache)
 {
   DevCache *c = cache;
 
+  graph_drop (MOE_CUDA_DEVICE (device), c);
+  g_free (c->warm);
+  g_free (c->failed);
   for (guint i = 0; i < c->layers; i++)
     {
       g_clear_object (&c->k[i]);
@@ -315,6 +346,7 @@ cache_reserve (Decoder *d, DevCache *c, guint past, guint length, GError **error
 
   if (length <= c->capacity)
     return TRUE;
+  graph_drop (d->dev, c);   /* its kernels hold the old buffers */
   cap = MAX (length, MAX (c->capacity * 2, 64));
   for (guint i = 0; i < m->layers; i++)
     for (int kv = 0; kv < 2; kv++)
@@ -439,6 +471,8 @@ typedef struct {
   int        rows;
   MoeTensor *positions;        /* [rows] i64 */
   MoeTensor *key_valid;        /* [B, past + T] u8, or NULL */
+  int        key_valid_stride; /* 0: past + T; a graph's: the capacity */
+  MoeTensor *past_dev;         /* a graph's past (i32 on the device), or NULL */
   struct _Trace *trace;
 } Step;
 
@@ -605,7 +639,8 @@ attend (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int
     .q = out ? DATA (q) : NULL, .q_row_stride = q_row_stride,
     .k_cache = out ? DATA (s->cache->k[li]) : NULL, .v_cache = out ? DATA (s->cache->v[li]) : NULL,
     .capacity = s->cache->capacity,
-    .key_valid = s->key_valid ? DATA (s->key_valid) : NULL,
+    .past_dev = s->past_dev ? DATA (s->past_dev) : NULL, .max_len = s->cache->capacity,
+    .key_valid = s->key_valid ? DATA (s->key_valid) : NULL, .key_valid_stride = s->key_valid_stride,
     .window = m->layer[li].window,
     .sinks = OPT (d->layer[li].sinks),
     .scaling = m->scaling, .eager = m->eager_attention,
@@ -667,7 +702,8 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
   moe_cuda_store_kv (d->dtype, s->st->batch, s->st->n_tokens, m->kv_heads,
                      (char *) DATA (qkv) + (gsize) qn * d->elem, n, hd, hd, NULL, 0, 0, 0,
                      (char *) DATA (qkv) + (gsize) (qn + kn) * d->elem, n, hd, hd,
-                     DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past, stream);
+                     DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
+                     OPT (s->past_dev), stream);
   trace_mark (s->trace, stream, PART_ROPE_KV);
   a = attend (d, s, li, qkv, n, hd, hd, error);
   trace_mark (s->trace, stream, PART_ATTEND);
@@ -706,7 +742,8 @@ attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
                      DATA (kv), m->heads * kvb, kvb, nope,
                      (char *) DATA (latent) + (gsize) m->kv_lora * d->elem, lat, 0, rd,
                      (char *) DATA (kv) + (gsize) nope * d->elem, m->heads * kvb, kvb, dv,
-                     DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past, d->dev->stream);
+                     DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
+                     OPT (s->past_dev), d->dev->stream);
   a = attend (d, s, li, q, m->heads * qk, qk, dv, error);
   return a ? linear (d, &L->o, a, m->heads * dv, rows, error) : NULL;
 }
@@ -804,6 +841,165 @@ upload (Decoder *d, MoeDType dtype, gconstpointer data, gint64 n, GError **error
   return host ? moe_tensor_to_device (host, MOE_DEVICE (d->dev), error) : NULL;
 }
 
+/* The decoder on @ids (on the device), into @logits_f32 [rows or B, V]:
+ * everything it queues may be captured into a CUDA graph. */
+static gboolean
+run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **error)
+{
+  const MoeTransformer *m = d->m;
+  const MoeDecoderStep *st = s->st;
+  Trace *tr = s->trace;
+  int rows = s->rows, H = m->hidden, out_rows = st->last_only ? (int) st->batch : rows;
+  g_autoptr(MoeTensor) h = NULL, x = NULL, y = NULL, xf = NULL, logits = NULL;
+
+  if ((h = new_act (d, rows, H, error)) == NULL || (x = new_act (d, rows, H, error)) == NULL)
+    return FALSE;
+  moe_cuda_embed (d->dtype, DATA (d->embed), DATA (ids), rows, H, DATA (h), d->dev->stream);
+  trace_mark (tr, d->dev->stream, PART_HEAD);
+
+  for (guint li = 0; li < m->layers; li++)
+    {
+      const DevLayer *L = &d->layer[li];
+      g_autoptr(MoeTensor) a = NULL;
+
+      /* the previous layer's residual add, fused with this norm */
+      norm (d, h, 0, y, rows, H, H, L->input_norm, x, 0, H);
+      a = m->family == FAMILY_DEEPSEEK_V3 ? attention_mla (d, s, li, x, error) : attention_gqa (d, s, li, x, error);
+      if (a == NULL)
+        return FALSE;
+      norm (d, h, 0, a, rows, H, H, L->post_norm, x, 0, H);
+      trace_mark (tr, d->dev->stream, PART_O);
+      g_clear_object (&y);
+      y = m->layer[li].is_moe ? moe_block (d, li, x, rows, tr, error) : mlp (d, L, x, rows, NULL, NULL, error);
+      if (y == NULL)
+        return FALSE;
+      trace_mark (tr, d->dev->stream, PART_SHARED);
+    }
+
+  /* the last residual add and the final norm, on the rows that make logits */
+  if ((xf = new_act (d, out_rows, H, error)) == NULL)
+    return FALSE;
+  if (st->last_only)
+    norm (d, h, (gsize) (st->n_tokens - 1) * H, y, st->batch, H, st->n_tokens * H, d->final_norm, xf, 0, H);
+  else
+    norm (d, h, 0, y, rows, H, H, d->final_norm, xf, 0, H);
+  {
+    DevLinear head = { d->lm_head, NULL, m->vocab, H };
+    logits = linear (d, &head, xf, H, out_rows, error);
+  }
+  if (logits == NULL)
+    return FALSE;
+  moe_cuda_to_f32 (d->dtype, DATA (logits), (gsize) out_rows * m->vocab, DATA (logits_f32), d->dev->stream);
+  trace_mark (tr, d->dev->stream, PART_HEAD);
+  return moe_cuda_check (cudaGetLastError (), "the decoder's kernels", error);
+}
+
+/* What a decode graph depends on besides the batch and the cache's
+ * capacity: every MoE layer's experts implementation; NULL where one reads
+ * the routing on the host (eager), which a graph cannot hold. */
+static char *
+graph_signature (Decoder *d)
+{
+  GString *sig = g_string_new (NULL);
+
+  for (guint i = 0; i < d->m->layers; i++)
+    if (d->m->layer[i].is_moe)
+      {
+        const char *impl = moe_experts_get_implementation (d->m->layer[i].experts);
+        if (g_str_equal (impl, "eager"))
+          return g_string_free (sig, TRUE), NULL;
+        g_string_append_printf (sig, "%s,", impl);
+      }
+  return g_string_free (sig, FALSE);
+}
+
+static MoeTensor *
+new_typed (Decoder *d, MoeDType dtype, gint64 n, GError **error)
+{
+  return moe_tensor_new_empty (MOE_DEVICE (d->dev), dtype, &n, 1, error);
+}
+
+/* A one-token step through the cache's graph: the inputs into its fixed
+ * buffers, then a replay (capturing it first where it is due). FALSE with
+ * no error set: no graph for this step, run it directly. */
+static gboolean
+graph_step (Decoder *d, Step *s, const char *sig, GError **error)
+{
+  const MoeDecoderStep *st = s->st;
+  DevCache *c = s->cache;
+  MoeCudaDevice *dev = d->dev;
+  cudaStream_t stream = dev->stream;
+  guint B = st->batch, len = s->past + 1;
+  int past = s->past;
+
+  if (c->exec != NULL && g_strcmp0 (c->signature, sig) != 0)
+    graph_drop (dev, c);
+  if (c->exec == NULL && (g_strcmp0 (c->warm, sig) != 0 || g_strcmp0 (c->failed, sig) == 0))
+    return FALSE;
+  if (c->g_ids == NULL &&
+      ((c->g_ids = new_typed (d, MOE_DTYPE_I64, B, error)) == NULL ||
+       (c->g_positions = new_typed (d, MOE_DTYPE_I64, B, error)) == NULL ||
+       (c->g_past = new_typed (d, MOE_DTYPE_I32, 1, error)) == NULL ||
+       (c->g_valid = new_typed (d, MOE_DTYPE_U8, (gint64) B * c->capacity, error)) == NULL ||
+       (c->g_logits = new_f32 (d, B, d->m->vocab, error)) == NULL))
+    return FALSE;
+
+  /* this step's inputs (the masks as [B, capacity]) */
+  if (!moe_cuda_check (cudaMemcpyAsync (DATA (c->g_ids), st->ids, B * sizeof (gint64), cudaMemcpyHostToDevice, stream),
+                       "a decode graph's input", error) ||
+      !moe_cuda_check (cudaMemcpyAsync (DATA (c->g_positions), st->positions, B * sizeof (gint64),
+                                        cudaMemcpyHostToDevice, stream), "a decode graph's input", error) ||
+      !moe_cuda_check (cudaMemcpyAsync (DATA (c->g_past), &past, sizeof past, cudaMemcpyHostToDevice, stream),
+                       "a decode graph's input", error) ||
+      !moe_cuda_check (st->key_valid != NULL
+                       ? cudaMemcpy2DAsync (DATA (c->g_valid), c->capacity, st->key_valid, len, len, B,
+                                            cudaMemcpyHostToDevice, stream)
+                       : cudaMemset2DAsync (DATA (c->g_valid), c->capacity, 1, len, B, stream),
+                       "a decode graph's input", error))
+    return FALSE;
+
+  if (c->exec == NULL)
+    {
+      Step gs = *s;
+      GError *local = NULL;
+      cudaGraph_t graph = NULL;
+      cudaError_t err;
+      gboolean ok;
+
+      gs.positions = c->g_positions;
+      gs.key_valid = c->g_valid;
+      gs.key_valid_stride = c->capacity;
+      gs.past_dev = c->g_past;
+      moe_cuda_device_open_graph_pool (dev);
+      err = cudaStreamBeginCapture (stream, cudaStreamCaptureModeRelaxed);
+      ok = err == cudaSuccess && run_step (d, &gs, c->g_ids, c->g_logits, &local);
+      if (err == cudaSuccess)
+        err = cudaStreamEndCapture (stream, &graph);
+      c->pool = moe_cuda_device_close_graph_pool (dev);
+      if (ok && err == cudaSuccess)
+        err = cudaGraphInstantiate (&c->exec, graph, 0);
+      if (graph != NULL)
+        cudaGraphDestroy (graph);
+      if (!ok || err != cudaSuccess)
+        {
+          /* nothing captured ran: the step runs directly, now and later */
+          g_debug ("moe-cuda: no decode graph: %s", local ? local->message : cudaGetErrorString (err));
+          g_clear_error (&local);
+          cudaGetLastError ();
+          c->exec = NULL;
+          graph_drop (dev, c);
+          g_free (c->failed);
+          c->failed = g_strdup (sig);
+          return FALSE;
+        }
+      c->signature = g_strdup (sig);
+    }
+  return moe_cuda_check (cudaGraphLaunch (c->exec, stream), "replaying the decode graph", error) &&
+         moe_cuda_check (cudaMemcpyAsync (st->logits, DATA (c->g_logits), (gsize) B * d->m->vocab * sizeof (float),
+                                          cudaMemcpyDeviceToHost, stream), "copying the logits", error) &&
+         moe_device_synchronize (MOE_DEVICE (dev), error);
+}
+
 gboolean
 moe_cuda_decoder_forward (MoeDevice  *device,
                           gpointer    decoder,
@@ -814,21 +1010,14 @@ moe_cuda_decoder_forward (MoeDevice  *device,
   const MoeTransformer *m = d->m;
   MoeDecoderStep *st = step;
   MoeKvCache *kv = st->cache;
-  int rows = st->batch * st->n_tokens, H = m->hidden, out_rows = st->last_only ? (int) st->batch : rows;
-  g_autoptr(MoeTensor) ids = NULL, positions = NULL, key_valid = NULL;
-  g_autoptr(MoeTensor) h = NULL, x = NULL, y = NULL, xf = NULL, logits = NULL, logits_f32 = NULL;
+  int rows = st->batch * st->n_tokens, out_rows = st->last_only ? (int) st->batch : rows;
+  g_autoptr(GRecMutexLocker) exclusive = g_rec_mutex_locker_new (&d->dev->exclusive);
+  g_autoptr(MoeTensor) ids = NULL, positions = NULL, key_valid = NULL, logits_f32 = NULL;
+  g_autofree char *sig = NULL;
   DevCache *c;
   Trace tr = { g_getenv ("MOE_CUDA_TRACE") != NULL, };
-  Step s = { st, NULL, kv->length, rows, NULL, NULL, &tr };
-
-  if (tr.on)
-    {
-      tr.events = g_array_new (FALSE, FALSE, sizeof (cudaEvent_t));
-      tr.parts = g_array_new (FALSE, FALSE, sizeof (int));
-      tr.last = g_get_monotonic_time ();
-      cudaEventCreate (&tr.start);
-      cudaEventRecord (tr.start, d->dev->stream);
-    }
+  Step s = { st, NULL, kv->length, rows, NULL, NULL, 0, NULL, &tr };
+  GError *local = NULL;
 
   if (kv->device_cache == NULL)
     {
@@ -843,6 +1032,27 @@ moe_cuda_decoder_forward (MoeDevice  *device,
   if (!cache_reserve (d, c, s.past, s.past + st->n_tokens, error))
     return FALSE;
 
+  /* decode steps replay a graph (MOE_CUDA_GRAPHS=0: never, for measuring) */
+  if (st->n_tokens == 1 && !tr.on && g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 &&
+      (sig = graph_signature (d)) != NULL)
+    {
+      if (graph_step (d, &s, sig, &local))
+        return TRUE;
+      if (local != NULL)
+        {
+          g_propagate_error (error, local);
+          return FALSE;
+        }
+    }
+
+  if (tr.on)
+    {
+      tr.events = g_array_new (FALSE, FALSE, sizeof (cudaEvent_t));
+      tr.parts = g_array_new (FALSE, FALSE, sizeof (int));
+      tr.last = g_get_monotonic_time ();
+      cudaEventCreate (&tr.start);
+      cudaEventRecord (tr.start, d->dev->stream);
+    }
   ids = upload (d, MOE_DTYPE_I64, st->ids, rows, error);
   positions = ids ? upload (d, MOE_DTYPE_I64, st->positions, rows, error) : NULL;
   if (positions == NULL)
@@ -852,49 +1062,15 @@ moe_cuda_decoder_forward (MoeDevice  *device,
     return FALSE;
   s.positions = positions;
   s.key_valid = key_valid;
-
-  if ((h = new_act (d, rows, H, error)) == NULL || (x = new_act (d, rows, H, error)) == NULL)
+  if ((logits_f32 = new_f32 (d, out_rows, m->vocab, error)) == NULL || !run_step (d, &s, ids, logits_f32, error))
     return FALSE;
-  moe_cuda_embed (d->dtype, DATA (d->embed), DATA (ids), rows, H, DATA (h), d->dev->stream);
-  trace_mark (&tr, d->dev->stream, PART_HEAD);
-
-  for (guint li = 0; li < m->layers; li++)
-    {
-      const DevLayer *L = &d->layer[li];
-      g_autoptr(MoeTensor) a = NULL;
-
-      /* the previous layer's residual add, fused with this norm */
-      norm (d, h, 0, y, rows, H, H, L->input_norm, x, 0, H);
-      a = m->family == FAMILY_DEEPSEEK_V3 ? attention_mla (d, &s, li, x, error) : attention_gqa (d, &s, li, x, error);
-      if (a == NULL)
-        return FALSE;
-      norm (d, h, 0, a, rows, H, H, L->post_norm, x, 0, H);
-      trace_mark (&tr, d->dev->stream, PART_O);
-      g_clear_object (&y);
-      y = m->layer[li].is_moe ? moe_block (d, li, x, rows, &tr, error) : mlp (d, L, x, rows, NULL, NULL, error);
-      if (y == NULL)
-        return FALSE;
-      trace_mark (&tr, d->dev->stream, PART_SHARED);
-    }
-
-  /* the last residual add and the final norm, on the rows that make logits */
-  if ((xf = new_act (d, out_rows, H, error)) == NULL)
-    return FALSE;
-  if (st->last_only)
-    norm (d, h, (gsize) (st->n_tokens - 1) * H, y, st->batch, H, st->n_tokens * H, d->final_norm, xf, 0, H);
-  else
-    norm (d, h, 0, y, rows, H, H, d->final_norm, xf, 0, H);
-  {
-    DevLinear head = { d->lm_head, NULL, m->vocab, H };
-    logits = linear (d, &head, xf, H, out_rows, error);
-  }
-  if (logits == NULL || (logits_f32 = new_f32 (d, out_rows, m->vocab, error)) == NULL)
-    return FALSE;
-  moe_cuda_to_f32 (d->dtype, DATA (logits), (gsize) out_rows * m->vocab, DATA (logits_f32), d->dev->stream);
-  trace_mark (&tr, d->dev->stream, PART_HEAD);
   trace_report (&tr, st);
-  return moe_cuda_check (cudaGetLastError (), "the decoder's kernels", error) &&
-         moe_cuda_check (cudaMemcpyAsync (st->logits, DATA (logits_f32), (gsize) out_rows * m->vocab * sizeof (float),
+  if (sig != NULL)
+    {
+      g_free (c->warm);
+      c->warm = g_steal_pointer (&sig);
+    }
+  return moe_cuda_check (cudaMemcpyAsync (st->logits, DATA (logits_f32), (gsize) out_rows * m->vocab * sizeof (float),
                                           cudaMemcpyDeviceToHost, d->dev->stream), "copying the logits", error) &&
          moe_device_synchronize (device, error);
 }

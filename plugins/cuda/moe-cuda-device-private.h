@@ -30,6 +30,11 @@ struct _MoeCudaDevice
   int             bad_id_experts, bad_id_top_k;   /* of the latest forward */
 
   GMutex          lock;          /* the allocator's tables, the cuBLAS handle, bad_id */
+  GRecMutex       exclusive;     /* held by a decoder step and an experts forward: what one
+                                    thread queues is not interleaved with another's, so
+                                    that a CUDA graph captures only its own work */
+  gboolean        graph_pool_open;  /* blocks freed now belong to the graph being captured */
+  GSList         *graph_pool;
   GHashTable     *in_use;        /* device pointer -> its size class */
   GHashTable     *free_blocks;   /* size class -> GSList of device pointers */
 
@@ -47,6 +52,13 @@ struct _MoeCudaDevice
 gboolean moe_cuda_check              (cudaError_t    err,
                                       const char    *what,
                                       GError       **error);
+
+/* A CUDA graph's memory: blocks freed while it is captured stay the
+ * graph's (its replays use them) until it is destroyed. */
+void     moe_cuda_device_open_graph_pool    (MoeCudaDevice *self);
+GSList  *moe_cuda_device_close_graph_pool   (MoeCudaDevice *self);
+void     moe_cuda_device_release_graph_pool (MoeCudaDevice *self,
+                                             GSList        *pool);
 
 /* moe-cuda-decoder.c: MoeDeviceClass's decoder vfuncs */
 gpointer moe_cuda_decoder_new        (MoeDevice     *device,

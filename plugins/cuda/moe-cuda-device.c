@@ -134,7 +134,10 @@ cuda_free (MoeDevice *device,
   if (ptr == NULL)
     return;
   g_mutex_lock (&self->lock);
-  if (g_hash_table_steal_extended (self->in_use, ptr, NULL, &cls))
+  if (self->graph_pool_open && g_hash_table_contains (self->in_use, ptr))
+    /* a CUDA graph being captured uses this block: it stays its own */
+    self->graph_pool = g_slist_prepend (self->graph_pool, ptr);
+  else if (g_hash_table_steal_extended (self->in_use, ptr, NULL, &cls))
     {
       GSList *list = g_hash_table_lookup (self->free_blocks, cls);
       g_hash_table_insert (self->free_blocks, cls, g_slist_prepend (list, ptr));
@@ -142,6 +145,48 @@ cuda_free (MoeDevice *device,
   else
     g_critical ("moe-cuda: freeing %p, which this device did not allocate", ptr);
   g_mutex_unlock (&self->lock);
+}
+
+void
+moe_cuda_device_open_graph_pool (MoeCudaDevice *self)
+{
+  g_mutex_lock (&self->lock);
+  g_assert (!self->graph_pool_open);
+  self->graph_pool_open = TRUE;
+  self->graph_pool = NULL;
+  g_mutex_unlock (&self->lock);
+}
+
+GSList *
+moe_cuda_device_close_graph_pool (MoeCudaDevice *self)
+{
+  GSList *pool;
+
+  g_mutex_lock (&self->lock);
+  self->graph_pool_open = FALSE;
+  pool = g_steal_pointer (&self->graph_pool);
+  g_mutex_unlock (&self->lock);
+  return pool;
+}
+
+void
+moe_cuda_device_release_graph_pool (MoeCudaDevice *self,
+                                    GSList        *pool)
+{
+  /* a replay may still be running */
+  cudaStreamSynchronize (self->stream);
+  g_mutex_lock (&self->lock);
+  for (GSList *l = pool; l != NULL; l = l->next)
+    {
+      gpointer cls;
+      if (g_hash_table_steal_extended (self->in_use, l->data, NULL, &cls))
+        {
+          GSList *list = g_hash_table_lookup (self->free_blocks, cls);
+          g_hash_table_insert (self->free_blocks, cls, g_slist_prepend (list, l->data));
+        }
+    }
+  g_mutex_unlock (&self->lock);
+  g_slist_free (pool);
 }
 
 static gboolean
@@ -522,6 +567,7 @@ cuda_run_experts (MoeDevice           *device,
                   GError             **error)
 {
   MoeCudaDevice *self = MOE_CUDA_DEVICE (device);
+  g_autoptr(GRecMutexLocker) exclusive = g_rec_mutex_locker_new (&self->exclusive);
   MoeTensor *up = moe_experts_get_up_weight (experts);
   MoeDType dtype = moe_tensor_get_dtype (hidden_states);
   g_autoptr(MoeTensor) ids = NULL;
@@ -678,6 +724,7 @@ moe_cuda_device_finalize (GObject *object)
   g_free (self->init_error);
   g_mutex_clear (&self->jit_lock);
   g_mutex_clear (&self->lock);
+  g_rec_mutex_clear (&self->exclusive);
   G_OBJECT_CLASS (moe_cuda_device_parent_class)->finalize (object);
 }
 
@@ -708,6 +755,7 @@ moe_cuda_device_init (MoeCudaDevice *self)
   cublasStatus_t st;
 
   g_mutex_init (&self->lock);
+  g_rec_mutex_init (&self->exclusive);
   self->in_use = g_hash_table_new (g_direct_hash, g_direct_equal);
   /* no value destroy func: the lists are replaced by their own updated heads */
   self->free_blocks = g_hash_table_new (g_direct_hash, g_direct_equal);
