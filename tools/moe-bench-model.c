@@ -77,17 +77,7 @@ row_clear (gpointer p)
   g_free (r->ms_unit);
 }
 
-static guint64 rng_state;
-
-static guint64
-rng_next (void)
-{
-  /* xorshift64* */
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return rng_state * 2685821657736338717ull;
-}
+static GRand *rng;   /* the prompts' ids */
 
 /* [B, T] I64 host tensor of uniform random ids below @vocab */
 static MoeTensor *
@@ -98,7 +88,7 @@ random_ids (gint64 B, gint64 T, gint64 vocab, GError **error)
   g_autoptr(GBytes) bytes = NULL;
 
   for (gint64 i = 0; i < B * T; i++)
-    ids[i] = (gint64) (rng_next () % (guint64) vocab);
+    ids[i] = g_rand_int_range (rng, 0, (gint32) vocab);
   bytes = g_bytes_new_take (ids, B * T * sizeof (gint64));
   return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, bytes, error);
 }
@@ -227,7 +217,7 @@ main (int    argc,
     }
   if (!parse_batches (opt_batches != NULL ? opt_batches : "1,8", batches, &error))
     goto fail;
-  rng_state = (guint64) opt_seed * 0x9E3779B97F4A7C15ull + 1;
+  rng = g_rand_new_with_seed ((guint32) opt_seed);
 
   options = moe_load_options_new ();
   if (opt_device != NULL)

@@ -8,100 +8,24 @@
 #include <libmoe.h>
 #include <moe-plugin.h>
 
-#include "moe-test-util.h"
-
-static const char *families[] = {
-  "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe",
-};
-static const char *backends[] = { "eager", "batched_mm", "grouped_mm" };
+#include "moe-test-model-fixture.h"
 
 static MoeModel *
 load_model (const char *family, const char *dtype, const char *impl)
 {
-  g_autoptr(GError) error = NULL;
-  g_autofree char *path = moe_test_data_path ("models", family, NULL);
-  g_autoptr(MoeLoadOptions) opts = moe_load_options_new ();
-  MoeModel *model;
-
-  moe_load_options_set_dtype (opts, dtype);
-  moe_load_options_set_experts_implementation (opts, impl);
-  model = moe_model_new_from_pretrained (path, opts, NULL, &error);
-  g_assert_no_error (error);
-  return model;
+  return moe_test_load_model (family, dtype, impl, "cpu");
 }
 
-static void
-assert_same_ids (MoeTensor *a, MoeTensor *b)
-{
-  g_assert_true (moe_tensor_has_shape (a, moe_tensor_get_shape (b, NULL), moe_tensor_get_n_dims (b)));
-  g_assert_cmpmem (moe_tensor_get_data (a), moe_tensor_get_n_bytes (a),
-                   moe_tensor_get_data (b), moe_tensor_get_n_bytes (b));
-}
-
-/* fp32 logits within 1e-4 and greedy generation token for token, with
- * every backend */
 static void
 test_family_f32 (gconstpointer data)
 {
-  const char *family = data;
-  g_autoptr(MoeModel) model = load_model (family, "float32", NULL);
-  g_autoptr(MoeTensor) ids = moe_test_model_reference (family, "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) ref = moe_test_model_reference (family, "reference.safetensors", "logits");
-  g_autoptr(MoeTensor) generated = moe_test_model_reference (family, "reference.safetensors", "generated");
-  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
-  g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
-
-  g_object_set (cfg, "max-new-tokens", 12, NULL);
-  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
-    {
-      g_autoptr(GError) error = NULL;
-      g_autoptr(MoeTensor) logits = NULL, out = NULL;
-      double err;
-
-      g_assert_true (moe_model_set_experts_implementation (model, backends[i], &error));
-      logits = moe_model_forward (model, ids, &error);
-      g_assert_no_error (error);
-      err = moe_test_rel_error (logits, ref);
-      g_test_message ("%s f32 %s: logits rel err %.3g", family, backends[i], err);
-      g_assert_cmpfloat (err, <=, 1e-4);
-
-      out = moe_model_generate (model, prompt, cfg, NULL, &error);
-      g_assert_no_error (error);
-      assert_same_ids (out, generated);
-    }
+  moe_test_family_f32 (data, "cpu");
 }
 
-/* bf16 logits within 2e-2 of transformers' bf16 logits with the same
- * backend (its batched/grouped sum the slots in fp32 while eager rounds each
- * one: on mixtral that alone moves the logits by 3e-2) */
 static void
 test_family_bf16 (gconstpointer data)
 {
-  const char *family = data;
-  g_autoptr(MoeModel) model = load_model (family, "bfloat16", NULL);
-  g_autoptr(MoeTensor) ids = moe_test_model_reference (family, "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) shipped = moe_test_model_reference (family, "reference.safetensors", "logits_bf16");
-
-  g_assert_cmpstr (moe_model_get_dtype (model), ==, "bfloat16");
-  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
-    {
-      g_autoptr(GError) error = NULL;
-      g_autofree char *name = g_strdup_printf ("logits_bf16_%s", backends[i]);
-      g_autoptr(MoeTensor) ref = moe_test_model_reference (family, "reference_bf16_backends.safetensors", name);
-      g_autoptr(MoeTensor) logits = NULL;
-      double err, err_shipped;
-
-      g_assert_true (moe_model_set_experts_implementation (model, backends[i], &error));
-      logits = moe_model_forward (model, ids, &error);
-      g_assert_no_error (error);
-      err = moe_test_rel_error (logits, ref);
-      err_shipped = moe_test_rel_error (logits, shipped);
-      g_test_message ("%s bf16 %s: rel err %.3g vs transformers' %s, %.3g vs the shipped eager logits",
-                      family, backends[i], err, backends[i], err_shipped);
-      g_assert_cmpfloat (err, <=, 2e-2);
-      if (g_str_equal (backends[i], "eager"))
-        g_assert_cmpfloat (err_shipped, <=, 2e-2);
-    }
+  moe_test_family_bf16 (data, "cpu");
 }
 
 static gboolean
@@ -543,10 +467,10 @@ test_sampling_and_stop (void)
   s1 = moe_model_generate (model, prompt, cfg, NULL, &error);
   s2 = moe_model_generate (model, prompt, cfg, NULL, &error);
   g_assert_no_error (error);
-  assert_same_ids (s1, s2);
+  moe_test_assert_same_ids (s1, s2);
   g_object_set (cfg, "top-k", 1, NULL);
   greedy = moe_model_generate (model, prompt, cfg, NULL, &error);
-  assert_same_ids (greedy, generated);
+  moe_test_assert_same_ids (greedy, generated);
   g_object_set (cfg, "top-k", 50, "temperature", 5.0, "top-p", 1.0, "seed", (guint64) 7, NULL);
   s3 = moe_model_generate (model, prompt, cfg, NULL, &error);
   g_assert_false (memcmp (moe_tensor_get_data (s3), g, 21 * sizeof (gint64)) == 0);
@@ -724,7 +648,7 @@ test_async (void)
   g_main_loop_run (r.loop);
   g_source_remove (tick);
   g_assert_no_error (r.error);
-  assert_same_ids (r.result, generated);
+  moe_test_assert_same_ids (r.result, generated);
   g_assert_cmpuint (r.tokens, ==, 12);
   g_clear_object (&r.result);
 
@@ -769,12 +693,12 @@ main (int argc, char *argv[])
 {
   g_test_init (&argc, &argv, NULL);
 
-  for (guint i = 0; i < G_N_ELEMENTS (families); i++)
+  for (guint i = 0; i < G_N_ELEMENTS (moe_test_families); i++)
     {
-      g_autofree char *p32 = g_strdup_printf ("/model/%s/f32", families[i]);
-      g_autofree char *p16 = g_strdup_printf ("/model/%s/bf16", families[i]);
-      g_test_add_data_func (p32, families[i], test_family_f32);
-      g_test_add_data_func (p16, families[i], test_family_bf16);
+      g_autofree char *p32 = g_strdup_printf ("/model/%s/f32", moe_test_families[i]);
+      g_autofree char *p16 = g_strdup_printf ("/model/%s/bf16", moe_test_families[i]);
+      g_test_add_data_func (p32, moe_test_families[i], test_family_f32);
+      g_test_add_data_func (p16, moe_test_families[i], test_family_bf16);
     }
   g_test_add_func ("/model/sub-config-map", test_sub_config_map);
   g_test_add_func ("/model/selection-errors", test_selection_errors);

@@ -9,87 +9,24 @@
 #include <libmoe.h>
 #include <moe-plugin.h>
 
-#include "moe-test-util.h"
-
-static const char *families[] = {
-  "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe",
-};
-static const char *backends[] = { "eager", "batched_mm", "grouped_mm" };
+#include "moe-test-model-fixture.h"
 
 static MoeModel *
 load_model (const char *family, const char *dtype)
 {
-  g_autoptr(GError) error = NULL;
-  g_autofree char *path = moe_test_data_path ("models", family, NULL);
-  g_autoptr(MoeLoadOptions) opts = moe_load_options_new ();
-  MoeModel *model;
-
-  moe_load_options_set_dtype (opts, dtype);
-  moe_load_options_set_device (opts, "cuda");
-  model = moe_model_new_from_pretrained (path, opts, NULL, &error);
-  g_assert_no_error (error);
-  g_assert_cmpstr (moe_model_get_device (model), ==, "cuda");
-  return model;
+  return moe_test_load_model (family, dtype, NULL, "cuda");
 }
 
-/* fp32 logits within 1e-4 and greedy generation token for token, with
- * every backend (float32 matmuls without TF32) */
 static void
 test_family_f32 (gconstpointer data)
 {
-  const char *family = data;
-  g_autoptr(MoeModel) model = load_model (family, "float32");
-  g_autoptr(MoeTensor) ids = moe_test_model_reference (family, "reference.safetensors", "input_ids");
-  g_autoptr(MoeTensor) ref = moe_test_model_reference (family, "reference.safetensors", "logits");
-  g_autoptr(MoeTensor) generated = moe_test_model_reference (family, "reference.safetensors", "generated");
-  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
-  g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
-
-  g_object_set (cfg, "max-new-tokens", 12, NULL);
-  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
-    {
-      g_autoptr(GError) error = NULL;
-      g_autoptr(MoeTensor) logits = NULL, out = NULL;
-      double err;
-
-      g_assert_true (moe_model_set_experts_implementation (model, backends[i], &error));
-      logits = moe_model_forward (model, ids, &error);
-      g_assert_no_error (error);
-      err = moe_test_rel_error (logits, ref);
-      g_test_message ("cuda %s f32 %s: logits rel err %.3g", family, backends[i], err);
-      g_assert_cmpfloat (err, <=, 1e-4);
-
-      out = moe_model_generate (model, prompt, cfg, NULL, &error);
-      g_assert_no_error (error);
-      g_assert_true (moe_tensor_has_shape (out, moe_tensor_get_shape (generated, NULL), 2));
-      g_assert_cmpmem (moe_tensor_get_data (out), moe_tensor_get_n_bytes (out),
-                       moe_tensor_get_data (generated), moe_tensor_get_n_bytes (generated));
-    }
+  moe_test_family_f32 (data, "cuda");
 }
 
-/* bf16 logits within 2e-2 of transformers' bf16 logits with the same backend */
 static void
 test_family_bf16 (gconstpointer data)
 {
-  const char *family = data;
-  g_autoptr(MoeModel) model = load_model (family, "bfloat16");
-  g_autoptr(MoeTensor) ids = moe_test_model_reference (family, "reference.safetensors", "input_ids");
-
-  for (guint i = 0; i < G_N_ELEMENTS (backends); i++)
-    {
-      g_autoptr(GError) error = NULL;
-      g_autofree char *name = g_strdup_printf ("logits_bf16_%s", backends[i]);
-      g_autoptr(MoeTensor) ref = moe_test_model_reference (family, "reference_bf16_backends.safetensors", name);
-      g_autoptr(MoeTensor) logits = NULL;
-      double err;
-
-      g_assert_true (moe_model_set_experts_implementation (model, backends[i], &error));
-      logits = moe_model_forward (model, ids, &error);
-      g_assert_no_error (error);
-      err = moe_test_rel_error (logits, ref);
-      g_test_message ("cuda %s bf16 %s: rel err %.3g vs transformers' %s", family, backends[i], err, backends[i]);
-      g_assert_cmpfloat (err, <=, 2e-2);
-    }
+  moe_test_family_bf16 (data, "cuda");
 }
 
 static void
@@ -209,12 +146,12 @@ main (int argc, char *argv[])
       return g_error_matches (error, MOE_ERROR, MOE_ERROR_NO_DEVICE) ? 77 : 1;
     }
 
-  for (guint i = 0; i < G_N_ELEMENTS (families); i++)
+  for (guint i = 0; i < G_N_ELEMENTS (moe_test_families); i++)
     {
-      g_autofree char *p32 = g_strdup_printf ("/cuda/model/f32/%s", families[i]);
-      g_autofree char *p16 = g_strdup_printf ("/cuda/model/bf16/%s", families[i]);
-      g_test_add_data_func (p32, families[i], test_family_f32);
-      g_test_add_data_func (p16, families[i], test_family_bf16);
+      g_autofree char *p32 = g_strdup_printf ("/cuda/model/f32/%s", moe_test_families[i]);
+      g_autofree char *p16 = g_strdup_printf ("/cuda/model/bf16/%s", moe_test_families[i]);
+      g_test_add_data_func (p32, moe_test_families[i], test_family_f32);
+      g_test_add_data_func (p16, moe_test_families[i], test_family_bf16);
     }
   g_test_add_func ("/cuda/model/decode-switch", test_decode_switch);
   g_test_add_func ("/cuda/model/padded-batch", test_padded_batch);
