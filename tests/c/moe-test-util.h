@@ -52,12 +52,12 @@ moe_test_data_path (const char *first, ...)
   return path;
 }
 
-/* A tensor of a whole-model fixture: tests/data/models/FAMILY/FILE. */
+/* A tensor of a model fixture: tests/data/DIR/MODEL/FILE. */
 static inline MoeTensor *
-moe_test_model_reference (const char *family, const char *file, const char *name)
+moe_test_reference (const char *dir, const char *model, const char *file, const char *name)
 {
   g_autoptr(GError) error = NULL;
-  g_autofree char *path = moe_test_data_path ("models", family, file, NULL);
+  g_autofree char *path = moe_test_data_path (dir, model, file, NULL);
   g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (path, &error);
   MoeTensor *t;
 
@@ -75,4 +75,11 @@ moe_test_first_row (MoeTensor *ids)
   g_autoptr(GBytes) all = moe_tensor_dup_bytes (ids, NULL);
   g_autoptr(GBytes) row = g_bytes_new_from_bytes (all, 0, shape[1] * sizeof (gint64));
   return moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, row, NULL);
+}
+
+/* A tensor of a whole-model fixture: tests/data/models/FAMILY/FILE. */
+static inline MoeTensor *
+moe_test_model_reference (const char *family, const char *file, const char *name)
+{
+  return moe_test_reference ("models", family, file, name);
 }

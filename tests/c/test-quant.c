@@ -165,15 +165,7 @@ static const char *models[] = { "deepseek_v3_fp8", "deepseek_v3_fp8_ue8m0", "dee
 static MoeTensor *
 model_reference (const char *model, const char *name)
 {
-  g_autofree char *path = moe_test_data_path ("quant", model, "reference.safetensors", NULL);
-  g_autoptr(GError) error = NULL;
-  g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (path, &error);
-  MoeTensor *t;
-
-  g_assert_no_error (error);
-  t = moe_checkpoint_get_tensor (ck, name, &error);
-  g_assert_no_error (error);
-  return t;
+  return moe_test_reference ("quant", model, "reference.safetensors", name);
 }
 
 static void
