@@ -540,12 +540,22 @@ trace_report (Trace *tr, const MoeDecoderStep *st)
   g_string_append_printf (line, " | total gpu %.3f host %.3f ms", total, host);
   g_printerr ("%s\n", line->str);
   g_string_free (line, TRUE);
+}
+
+/* also where a step fails part-way */
+static void
+trace_clear (Trace *tr)
+{
+  if (!tr->on)
+    return;
   for (guint i = 0; i < tr->events->len; i++)
     cudaEventDestroy (g_array_index (tr->events, cudaEvent_t, i));
   cudaEventDestroy (tr->start);
   g_array_unref (tr->events);
   g_array_unref (tr->parts);
 }
+
+G_DEFINE_AUTO_CLEANUP_CLEAR_FUNC (Trace, trace_clear)
 
 static gboolean
 cublas_check (cublasStatus_t st, const char *what, GError **error)
@@ -1015,7 +1025,7 @@ moe_cuda_decoder_forward (MoeDevice  *device,
   g_autoptr(MoeTensor) ids = NULL, positions = NULL, key_valid = NULL, logits_f32 = NULL;
   g_autofree char *sig = NULL;
   DevCache *c;
-  Trace tr = { g_getenv ("MOE_CUDA_TRACE") != NULL, };
+  g_auto(Trace) tr = { 0, };
   Step s = { st, NULL, kv->length, rows, NULL, NULL, 0, NULL, &tr };
   GError *local = NULL;
 
@@ -1033,7 +1043,7 @@ moe_cuda_decoder_forward (MoeDevice  *device,
     return FALSE;
 
   /* decode steps replay a graph (MOE_CUDA_GRAPHS=0: never, for measuring) */
-  if (st->n_tokens == 1 && !tr.on && g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 &&
+  if (st->n_tokens == 1 && g_getenv ("MOE_CUDA_TRACE") == NULL && g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 &&
       (sig = graph_signature (d)) != NULL)
     {
       if (graph_step (d, &s, sig, &local))
@@ -1045,8 +1055,9 @@ moe_cuda_decoder_forward (MoeDevice  *device,
         }
     }
 
-  if (tr.on)
+  if (g_getenv ("MOE_CUDA_TRACE") != NULL)
     {
+      tr.on = TRUE;
       tr.events = g_array_new (FALSE, FALSE, sizeof (cudaEvent_t));
       tr.parts = g_array_new (FALSE, FALSE, sizeof (int));
       tr.last = g_get_monotonic_time ();
