@@ -283,6 +283,43 @@ test_properties (void)
   case_clear (&c);
 }
 
+/* moe_experts_to_device(): a copy with every property and the same
+ * output; an unknown device is an error naming it */
+static void
+test_to_device (void)
+{
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeExperts) copy = NULL;
+  g_autoptr(MoeTensor) a = NULL, b = NULL;
+  Case c = { 0, };
+
+  case_load (&c, "gptoss_bias_transposed_interleaved", MOE_DTYPE_F32, NULL);
+  moe_experts_set_implementation (c.experts, "batched_mm");
+  copy = moe_experts_to_device (c.experts, "cpu", &error);
+  g_assert_no_error (error);
+  g_assert_true (copy != c.experts);
+  g_assert_cmpstr (moe_experts_get_device (copy), ==, "cpu");
+  g_assert_cmpstr (moe_experts_get_implementation (copy), ==, "batched_mm");
+  g_assert_cmpstr (moe_experts_get_activation (copy), ==, moe_experts_get_activation (c.experts));
+  g_assert_cmpint (moe_experts_get_is_transposed (copy), ==, moe_experts_get_is_transposed (c.experts));
+  g_assert_cmpint (moe_experts_get_gate_layout (copy), ==, MOE_GATE_LAYOUT_INTERLEAVED);
+  g_assert_cmpfloat (moe_experts_get_swiglu_limit (copy), ==, moe_experts_get_swiglu_limit (c.experts));
+  g_assert_cmpfloat (moe_experts_get_swiglu_alpha (copy), ==, moe_experts_get_swiglu_alpha (c.experts));
+  g_assert_nonnull (moe_experts_get_up_bias (copy));
+  g_assert_nonnull (moe_experts_get_down_bias (copy));
+
+  a = case_run (&c, "batched_mm");
+  b = experts_run (copy, "batched_mm", c.hidden, c.index, c.weights);
+  g_assert_cmpfloat (moe_test_rel_error (b, c.reference), <=, 1e-5);
+  g_assert_cmpfloat (moe_test_rel_error (b, a), ==, 0.0);
+
+  g_assert_null (moe_experts_to_device (c.experts, "no-such-device", &error));
+  g_assert_nonnull (error);
+  g_assert_true (error->domain == MOE_ERROR);
+  g_assert_nonnull (strstr (error->message, "no-such-device"));
+  case_clear (&c);
+}
+
 int
 main (int argc, char *argv[])
 {
@@ -302,6 +339,7 @@ main (int argc, char *argv[])
   g_test_add_func ("/experts/bad-inputs", test_bad_inputs);
   g_test_add_func ("/experts/weights-not-3d", test_weights_not_3d);
   g_test_add_func ("/experts/properties", test_properties);
+  g_test_add_func ("/experts/to-device", test_to_device);
 
   return g_test_run ();
 }

@@ -208,6 +208,19 @@ class ExpertsTest(unittest.TestCase):
         for name in self.backends:
             self.assertIn(name, cm.exception.message)
 
+    def test_to_device(self):
+        # experts.to_device() as torch's module.to(): a copy, properties kept
+        ck = Moe.Checkpoint.open(FIXTURES[0])
+        ex = make_experts(ck, 'batched_mm')
+        copy = ex.to_device('cpu')
+        self.assertEqual(copy.props.device, 'cpu')
+        self.assertEqual(copy.props.implementation, 'batched_mm')
+        self.assertEqual(copy.props.activation, ex.props.activation)
+        self.assertLessEqual(rel_err(values(copy.forward(*inputs(ck))), values(ex.forward(*inputs(ck)))), 0.0)
+        with self.assertRaises(GLib.Error) as cm:
+            ex.to_device('no-such-device')
+        self.assertIn('no-such-device', cm.exception.message)
+
     def test_gpu_only_backends_on_the_cpu(self):
         ck = Moe.Checkpoint.open(FIXTURES[0])
         for name, needs in (('deepgemm', 'compute capability 9.0 (Hopper) or 10.x (Blackwell)'),
