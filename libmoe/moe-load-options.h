@@ -20,14 +20,21 @@ G_BEGIN_DECLS
  *   `batched_mm` for the decode loop on devices other than the CPU
  * @MOE_DECODE_SWITCH_ALWAYS: switch on every device, the CPU included
  * @MOE_DECODE_SWITCH_NEVER: never switch
+ * @MOE_DECODE_SWITCH_BY_TOKENS: beyond transformers, on every device: a
+ *   step (prefill or decode) runs `batched_mm` in place of `grouped_mm`
+ *   when its (token, slot) rows are at most the layer's number of experts
+ *   — where `batched_mm` was the faster of the two on every shape measured
+ *   on an H200 (BENCHMARKS.md): a short prompt's prefill switches too, a
+ *   large batch's decode does not
  *
- * When [method@Model.generate] runs decode steps with `batched_mm` in place
- * of `grouped_mm`.
+ * When [method@Model.generate] runs steps with `batched_mm` in place of
+ * `grouped_mm`.
  */
 typedef enum {
   MOE_DECODE_SWITCH_AUTO,
   MOE_DECODE_SWITCH_ALWAYS,
   MOE_DECODE_SWITCH_NEVER,
+  MOE_DECODE_SWITCH_BY_TOKENS,
 } MoeDecodeSwitch;
 
 #define MOE_TYPE_LOAD_OPTIONS (moe_load_options_get_type ())

@@ -30,9 +30,10 @@
  * key.
  *
  * During [method@Model.generate], when [property@Model:decode-switch] says
- * so (by default: on devices other than the CPU), entries set to
- * `grouped_mm` run the decode steps with `batched_mm`; the map is restored
- * when generation ends, also on error or cancellation.
+ * so (by default: on devices other than the CPU; or by each step's token
+ * count), entries set to `grouped_mm` run the decode steps with
+ * `batched_mm`; the map is restored when generation ends, also on error or
+ * cancellation.
  *
  * Threading: calls may come from any thread. Forward passes and
  * generations on one model are serialised; a change of the experts map from
@@ -1212,6 +1213,7 @@ generate_locked (MoeModel            *self,
   prefill_positions (b, positions, next_pos);
 
   cache = _moe_kv_cache_new (tf, b->B);
+  policy = moe_model_get_decode_switch (self);
   set_phase (self, MOE_PHASE_PREFILL);
 
   for (guint step = 0; step < max_new; step++)
@@ -1229,17 +1231,24 @@ generate_locked (MoeModel            *self,
           break;
         }
 
-      if (step == 1)
+      /* the decode switch: grouped_mm entries run batched_mm from here on
+       * (from the first step its policy says: never back, as a step's rows
+       * only shrink after the prompt) */
+      if (!switched)
         {
-          /* the decode switch: grouped_mm entries run batched_mm from here on */
-          policy = moe_model_get_decode_switch (self);
-          original = moe_model_get_experts_implementation (self);
-          if (policy == MOE_DECODE_SWITCH_ALWAYS ||
-              (policy == MOE_DECODE_SWITCH_AUTO && !g_str_equal (self->device, "cpu")))
+          gboolean now;
+          if (policy == MOE_DECODE_SWITCH_BY_TOKENS)
+            now = (guint64) b->B * T * _moe_transformer_get_top_k (tf) <= _moe_transformer_get_num_experts (tf);
+          else
+            now = step == 1 && (policy == MOE_DECODE_SWITCH_ALWAYS ||
+                                (policy == MOE_DECODE_SWITCH_AUTO && !g_str_equal (self->device, "cpu")));
+          if (now)
             {
               g_autoptr(GHashTable) decode = g_hash_table_new (g_str_hash, g_str_equal);
               GHashTableIter iter;
               gpointer k, v;
+              g_clear_pointer (&original, g_hash_table_unref);
+              original = moe_model_get_experts_implementation (self);
               g_hash_table_iter_init (&iter, original);
               while (g_hash_table_iter_next (&iter, &k, &v))
                 if (g_str_equal (v, "grouped_mm"))
@@ -1254,8 +1263,9 @@ generate_locked (MoeModel            *self,
                   break;
                 }
             }
-          set_phase (self, MOE_PHASE_DECODE);
         }
+      if (step == 1)
+        set_phase (self, MOE_PHASE_DECODE);
 
       /* the attention validity of every cached position, [B, len] */
       key_valid = g_new (guint8, (gsize) b->B * len);

@@ -139,6 +139,9 @@ const char     *_moe_transformer_get_experts_key (MoeTransformer *self);
 /* (element-type MoeExperts) every MoE layer's experts */
 GPtrArray      *_moe_transformer_get_experts  (MoeTransformer *self);
 gint64          _moe_transformer_get_vocab_size (MoeTransformer *self);
+/* the routed experts per layer and the slots each token takes */
+guint           _moe_transformer_get_num_experts (MoeTransformer *self);
+guint           _moe_transformer_get_top_k    (MoeTransformer *self);
 
 MoeKvCache     *_moe_kv_cache_new             (MoeTransformer *self,
                                                guint           batch);

@@ -940,6 +940,18 @@ _moe_transformer_get_vocab_size (MoeTransformer *self)
   return self->vocab;
 }
 
+guint
+_moe_transformer_get_num_experts (MoeTransformer *self)
+{
+  return self->num_experts;
+}
+
+guint
+_moe_transformer_get_top_k (MoeTransformer *self)
+{
+  return self->top_k;
+}
+
 /* ------------------------------------------------------------------ */
 /* KV cache                                                            */
 

@@ -306,6 +306,56 @@ test_decode_switch (void)
       watch_clear (&w);
     }
 
+  /* by tokens (qwen2_moe: 8 experts, top-2): a 9-token prompt's prefill
+   * (18 rows) stays grouped, its decode (2 rows) switches, as always does */
+  watch_init (&w);
+  {
+    g_autoptr(MoeTensor) out = run_watched (&w, MOE_DECODE_SWITCH_BY_TOKENS, &error);
+    g_assert_no_error (error);
+    g_assert_cmpmem (moe_tensor_get_data (out), 15 * sizeof (gint64), moe_tensor_get_data (generated), 15 * sizeof (gint64));
+  }
+  g_assert_cmpuint (w.events->len, ==, 2);
+  g_assert_cmpstr (w.seen_in_decode, ==, "batched_mm");
+  assert_restored (&w);
+  watch_clear (&w);
+  {
+    g_autoptr(MoeTensor) ids = moe_test_model_reference ("qwen2_moe", "reference.safetensors", "input_ids");
+    const gint64 *row = moe_tensor_get_data (ids);
+    g_autoptr(MoeGenerationConfig) one = moe_generation_config_new ();
+    g_autoptr(GArray) five = g_array_new (FALSE, FALSE, sizeof (gint64));
+    gint64 short_shape[2] = { 1, 3 }, five_shape[2] = { 5, 9 };
+    g_autoptr(MoeTensor) short_prompt = NULL, five_prompts = NULL, out = NULL;
+
+    for (int i = 0; i < 5; i++)
+      g_array_append_vals (five, row, 9);
+    short_prompt = moe_tensor_new_from_bytes (MOE_DTYPE_I64, short_shape, 2, g_bytes_new (row, 3 * sizeof (gint64)), NULL);
+    five_prompts = moe_tensor_new_from_bytes (MOE_DTYPE_I64, five_shape, 2,
+                                              g_bytes_new (five->data, 45 * sizeof (gint64)), NULL);
+
+    /* a 3-token prompt (6 rows): its prefill switches already, so even one
+     * new token (no decode step) runs batched_mm */
+    g_object_set (one, "max-new-tokens", 1, NULL);
+    watch_init (&w);
+    moe_model_set_decode_switch (w.model, MOE_DECODE_SWITCH_BY_TOKENS);
+    out = moe_model_generate (w.model, short_prompt, one, NULL, &error);
+    g_assert_no_error (error);
+    g_assert_cmpuint (w.events->len, ==, 2);
+    g_assert_cmpstr (w.events->pdata[0], ==, ":grouped_mm>batched_mm");
+    assert_restored (&w);
+    watch_clear (&w);
+    g_clear_object (&out);
+
+    /* five sequences: decode steps of 10 rows stay grouped */
+    watch_init (&w);
+    moe_model_set_decode_switch (w.model, MOE_DECODE_SWITCH_BY_TOKENS);
+    g_object_set (one, "max-new-tokens", 3, NULL);
+    out = moe_model_generate (w.model, five_prompts, one, NULL, &error);
+    g_assert_no_error (error);
+    g_assert_cmpuint (w.events->len, ==, 0);
+    g_assert_cmpstr (w.seen_in_decode, ==, "grouped_mm");
+    watch_clear (&w);
+  }
+
   /* only grouped_mm entries switch */
   watch_init (&w);
   g_assert_true (moe_model_set_experts_implementation (w.model, "eager", NULL));

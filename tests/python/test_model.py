@@ -532,6 +532,19 @@ class ModelTest(unittest.TestCase):
                 self.assertEqual(set(m.get_experts_implementation().values()), {'grouped_mm'})
                 self.assertEqual(len(changes), 2 * len(during[0]))
 
+    def test_decode_switch_by_tokens(self):
+        # beyond transformers: the fixtures' 9-token prompt has 18 (token,
+        # slot) rows for 8 experts (prefill stays grouped_mm), one decode
+        # token 2 (batched_mm), on the CPU too
+        P = Moe.Phase
+        model = load('qwen3_moe', 'grouped_mm')
+        model.props.decode_switch = Moe.DecodeSwitch.BY_TOKENS
+        out, seen, changes = self.watch_generation(model, 'qwen3_moe')
+        self.assertEqual(out, expected('qwen3_moe'))
+        self.assertEqual([(s[0], s[2]) for s in seen],
+                         [(P.PREFILL, 'grouped_mm'), (P.DECODE, 'batched_mm'), (P.IDLE, 'grouped_mm')])
+        self.assertEqual(len(changes), 2)
+
     def test_decode_switch_only_touches_grouped_mm(self):
         model = load('mixtral', 'eager')
         model.props.decode_switch = Moe.DecodeSwitch.ALWAYS
