@@ -328,9 +328,12 @@ test_decode_switch (void)
 
     for (int i = 0; i < 5; i++)
       g_array_append_vals (five, row, 9);
-    short_prompt = moe_tensor_new_from_bytes (MOE_DTYPE_I64, short_shape, 2, g_bytes_new (row, 3 * sizeof (gint64)), NULL);
-    five_prompts = moe_tensor_new_from_bytes (MOE_DTYPE_I64, five_shape, 2,
-                                              g_bytes_new (five->data, 45 * sizeof (gint64)), NULL);
+    {
+      g_autoptr(GBytes) a = g_bytes_new (row, 3 * sizeof (gint64));
+      g_autoptr(GBytes) b = g_bytes_new (five->data, 45 * sizeof (gint64));
+      short_prompt = moe_tensor_new_from_bytes (MOE_DTYPE_I64, short_shape, 2, a, NULL);
+      five_prompts = moe_tensor_new_from_bytes (MOE_DTYPE_I64, five_shape, 2, b, NULL);
+    }
 
     /* a 3-token prompt (6 rows): its prefill switches already, so even one
      * new token (no decode step) runs batched_mm */

@@ -100,8 +100,12 @@ test_padded_batch (void)
       two[T + t] = t < 3 ? 0 : src[t];
       valid[T + t] = t >= 3;
     }
-  batch = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, g_bytes_new_take (g_memdup2 (two, 2 * T * 8), 2 * T * 8), NULL);
-  mask = moe_tensor_new_from_bytes (MOE_DTYPE_U8, shape, 2, g_bytes_new_take (g_memdup2 (valid, 2 * T), 2 * T), NULL);
+  {
+    g_autoptr(GBytes) tb = g_bytes_new (two, 2 * T * sizeof (gint64));
+    g_autoptr(GBytes) vb = g_bytes_new (valid, 2 * T);
+    batch = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, tb, NULL);
+    mask = moe_tensor_new_from_bytes (MOE_DTYPE_U8, shape, 2, vb, NULL);
+  }
   g_object_set (cfg, "max-new-tokens", 12, NULL);
   out = moe_model_generate_with_mask (model, batch, mask, cfg, NULL, &error);
   g_assert_no_error (error);
@@ -126,7 +130,10 @@ test_errors (void)
   moe_load_options_set_device (opts, "cuda");
   model = moe_model_new_from_pretrained (path, opts, NULL, &error);
   g_assert_no_error (error);
-  ids = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, g_bytes_new (bad, sizeof bad), NULL);
+  {
+    g_autoptr(GBytes) bytes = g_bytes_new (bad, sizeof bad);
+    ids = moe_tensor_new_from_bytes (MOE_DTYPE_I64, shape, 2, bytes, NULL);
+  }
   g_assert_null (moe_model_forward (model, ids, &error));
   g_assert_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT);
 }
