@@ -11,7 +11,7 @@
 #
 #   meson devenv -C _build --workdir . python3 examples/python/generate.py \
 #       [CHECKPOINT_DIR] [-p PROMPT] [-n MAX_NEW_TOKENS] [-e BACKEND] \
-#       [--dtype DTYPE] [--sample [-t TEMPERATURE] [--top-k K] [--top-p P] [--seed S]]
+#       [--dtype DTYPE] [--device DEVICE] [--sample [-t TEMPERATURE] [--top-k K] [--top-p P] [--seed S]]
 #
 # CHECKPOINT_DIR defaults to data/pycoder-moe. Ctrl-C stops the generation
 # (through a Gio.Cancellable) and still prints the speed.
@@ -42,6 +42,7 @@ def parse_args(argv):
     p.add_argument('-e', '--experts-implementation', metavar='BACKEND',
                    help='experts backend for every sub-config (default: the library\'s, grouped_mm)')
     p.add_argument('--dtype', default='auto', help='auto (the checkpoint\'s), float32, bfloat16 or float16')
+    p.add_argument('--device', default='cpu', help='cpu (default), or cuda where the cuda plugin finds a GPU')
     p.add_argument('--sample', action='store_true', help='sample instead of greedy decoding')
     p.add_argument('-t', '--temperature', type=float, default=1.0)
     p.add_argument('--top-k', type=int, default=0)
@@ -90,7 +91,7 @@ class Streamer:
 
 def main(argv):
     args = parse_args(argv)
-    opts = Moe.LoadOptions(dtype=args.dtype, device='cpu')
+    opts = Moe.LoadOptions(dtype=args.dtype, device=args.device)
     if args.experts_implementation:
         opts.props.experts_implementation = args.experts_implementation
 
