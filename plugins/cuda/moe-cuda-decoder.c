@@ -42,6 +42,7 @@ typedef struct {
   MoeTensor            *embed, *lm_head, *final_norm, *inv_freq;
   DevLayer             *layer;
   int                   gemv_rows;   /* projections of this many rows or fewer run as GEMVs */
+  int                   gemm_attention_tokens;   /* steps of this many tokens or more attend by GEMMs */
 } Decoder;
 
 typedef struct {
@@ -216,6 +217,11 @@ moe_cuda_decoder_new (MoeDevice      *device,
    * batch 8 (9.3 against 8.5 ms). MOE_CUDA_GEMV_ROWS (0…8) moves the split. */
   d->gemv_rows = g_getenv ("MOE_CUDA_GEMV_ROWS") ? CLAMP (atoi (g_getenv ("MOE_CUDA_GEMV_ROWS")), 0, MOE_CUDA_GEMV_ROWS)
                                                  : 4;
+  /* MOE_CUDA_ATTENTION_GEMM_TOKENS moves the attention kernel/GEMM split:
+   * the GPU test sets it to 1 to run the fixtures' 9-token prompts (and
+   * the decode steps) through the GEMM path */
+  d->gemm_attention_tokens = g_getenv ("MOE_CUDA_ATTENTION_GEMM_TOKENS")
+                             ? MAX (atoi (g_getenv ("MOE_CUDA_ATTENTION_GEMM_TOKENS")), 1) : 16;
   if (m->dtype != MOE_DTYPE_F32 && m->dtype != MOE_DTYPE_BF16 && m->dtype != MOE_DTYPE_F16)
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
@@ -660,7 +666,7 @@ attend (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int
   if (out == NULL)
     return NULL;
   /* many queries: on the tensor cores; a few (decode): one kernel */
-  if (s->st->n_tokens >= 16)
+  if ((int) s->st->n_tokens >= d->gemm_attention_tokens)
     return attend_gemm (d, s, li, q, q_row_stride, dk, dv, out, error) ? g_steal_pointer (&out) : NULL;
   a.out = DATA (out);
   msg = moe_cuda_attention (&a, d->dev->stream);
@@ -1043,7 +1049,10 @@ moe_cuda_decoder_forward (MoeDevice  *device,
     return FALSE;
 
   /* decode steps replay a graph (MOE_CUDA_GRAPHS=0: never, for measuring) */
-  if (st->n_tokens == 1 && g_getenv ("MOE_CUDA_TRACE") == NULL && g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 &&
+  /* (graphs hold the attention kernel, which reads past on the device;
+   * the GEMM path's chunks depend on it) */
+  if (st->n_tokens == 1 && (int) st->n_tokens < d->gemm_attention_tokens &&
+      g_getenv ("MOE_CUDA_TRACE") == NULL && g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 &&
       (sig = graph_signature (d)) != NULL)
     {
       if (graph_step (d, &s, sig, &local))
