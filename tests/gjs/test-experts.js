@@ -278,6 +278,18 @@ test('an unknown activation', () => {
     assertMoeError(() => ex.forward(...inputs(ck)), Moe.Error.INVALID_ARGUMENT, 'activation');
 });
 
+test('to_device: a copy with the same properties and output', () => {
+    const ck = Moe.Checkpoint.open(FIXTURES[0]);
+    const ex = makeExperts(ck, 'batched_mm');
+    const copy = ex.to_device('cpu');
+    assertEqual(copy.device, 'cpu', 'device');
+    assertEqual(copy.implementation, 'batched_mm', 'implementation');
+    assertEqual(copy.activation, ex.activation, 'activation');
+    assertLessEqual(relErrOf(values(copy.forward(...inputs(ck))), values(ex.forward(...inputs(ck))), 'copy'),
+        0, 'the copy\'s output');
+    assertMoeError(() => ex.to_device('no-such-device'), Moe.Error.NO_DEVICE, 'unknown device');
+});
+
 /* --- run ------------------------------------------------------------------- */
 
 run();
