@@ -98,14 +98,6 @@ rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int 
 
 template <typename T>
 __global__ void
-add_kernel (T *x, const T *y, size_t n)
-{
-  for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x)
-    x[i] = from_f<T> (to_f (x[i]) + to_f (y[i]));
-}
-
-template <typename T>
-__global__ void
 clamp_kernel (T *x, size_t n, float limit)
 {
   for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x)
@@ -114,7 +106,7 @@ clamp_kernel (T *x, size_t n, float limit)
 
 template <typename T>
 __global__ void
-rope_kernel (T *x, int heads, int row_stride, int head_stride, int offset, const int64_t *positions,
+rope_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *positions,
              const float *inv_freq, int rope_dim, float scale)
 {
   int half = rope_dim / 2;
@@ -123,7 +115,7 @@ rope_kernel (T *x, int heads, int row_stride, int head_stride, int offset, const
   for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x)
     {
       int h = idx / half, i = idx % half;
-      T *v = x + blockIdx.x * (size_t) row_stride + (size_t) h * head_stride + offset;
+      T *v = x + blockIdx.x * (size_t) row_stride + (size_t) h * head_stride;
       float angle = inv_freq[i] * pos;
       float c = rnd<T> (cosf (angle) * scale), s = rnd<T> (sinf (angle) * scale);
       float x1 = to_f (v[i]), x2 = to_f (v[i + half]);
@@ -137,7 +129,7 @@ rope_kernel (T *x, int heads, int row_stride, int head_stride, int offset, const
  * through a per-thread copy (rope_dim ≤ 256). */
 template <typename T>
 __global__ void
-rope_interleaved_kernel (T *x, int heads, int row_stride, int head_stride, int offset, const int64_t *positions,
+rope_interleaved_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *positions,
                          const float *inv_freq, int rope_dim, float scale)
 {
   int half = rope_dim / 2;
@@ -145,7 +137,7 @@ rope_interleaved_kernel (T *x, int heads, int row_stride, int head_stride, int o
 
   for (int h = threadIdx.x; h < heads; h += blockDim.x)
     {
-      T *v = x + blockIdx.x * (size_t) row_stride + (size_t) h * head_stride + offset;
+      T *v = x + blockIdx.x * (size_t) row_stride + (size_t) h * head_stride;
       float t[256];
       for (int i = 0; i < half; i++)
         {
@@ -370,6 +362,23 @@ warp_argmax (const float *v, const unsigned char *taken, int n)
   return bi;
 }
 
+/* The top @K of @n scores into ids[] (largest first), by the warp; the
+ * chosen are marked in taken[]. */
+__device__ void
+warp_top_k (const float *scores, unsigned char *taken, int n, int K, int64_t *ids)
+{
+  for (int k = 0; k < K; k++)
+    {
+      int i = warp_argmax (scores, taken, n);
+      if (threadIdx.x % 32 == 0)
+        {
+          taken[i] = 1;
+          ids[k] = i;
+        }
+      __syncwarp ();
+    }
+}
+
 /* One block (a warp) per row: the choice, as moe-transformer.c's route(). */
 template <typename T>
 __global__ void
@@ -405,25 +414,19 @@ route_kernel (MoeCudaRouter r)
       for (int e = lane; e < E; e += 32)
         choice[e] /= sum;
       __syncwarp ();
-      for (int k = 0; k < K; k++)
-        {
-          int i = warp_argmax (choice, taken, E);
-          if (lane == 0)
-            {
-              taken[i] = 1;
-              ids[k] = i;
-              kept += (w[k] = choice[i]);
-            }
-          __syncwarp ();
-        }
+      warp_top_k (choice, taken, E, K, ids);
       if (lane == 0)
-        for (int k = 0; k < K; k++)
-          {
-            if (r.norm_topk)
-              w[k] /= kept;
-            if (r.weights_in_act_dtype)
-              w[k] = rnd<T> (w[k]);
-          }
+        {
+          for (int k = 0; k < K; k++)
+            kept += (w[k] = choice[ids[k]]);
+          for (int k = 0; k < K; k++)
+            {
+              if (r.norm_topk)
+                w[k] /= kept;
+              if (r.weights_in_act_dtype)
+                w[k] = rnd<T> (w[k]);
+            }
+        }
     }
   else if (r.kind == MOE_CUDA_ROUTER_SIGMOID_GROUPED)
     {
@@ -469,38 +472,23 @@ route_kernel (MoeCudaRouter r)
         }
       __syncwarp ();
       float sum = 0;
-      for (int k = 0; k < K; k++)
-        {
-          int i = warp_argmax (choice, taken, E);
-          if (lane == 0)
-            {
-              taken[i] = 1;
-              ids[k] = i;
-              sum += (w[k] = sig[i]);
-            }
-          __syncwarp ();
-        }
+      warp_top_k (choice, taken, E, K, ids);
       if (lane == 0)
-        for (int k = 0; k < K; k++)
-          {
-            if (r.norm_topk)
-              w[k] /= sum + 1e-20f;
-            w[k] *= r.routed_scale;
-          }
+        {
+          for (int k = 0; k < K; k++)
+            sum += (w[k] = sig[ids[k]]);
+          for (int k = 0; k < K; k++)
+            {
+              if (r.norm_topk)
+                w[k] /= sum + 1e-20f;
+              w[k] *= r.routed_scale;
+            }
+        }
     }
   else
     {
       /* GPT-OSS: top-k of the logits, softmax over those k */
-      for (int k = 0; k < K; k++)
-        {
-          int i = warp_argmax (logits, taken, E);
-          if (lane == 0)
-            {
-              taken[i] = 1;
-              ids[k] = i;
-            }
-          __syncwarp ();
-        }
+      warp_top_k (logits, taken, E, K, ids);
       if (lane == 0)
         {
           float mx = -INFINITY, sum = 0;
@@ -670,27 +658,21 @@ moe_cuda_rms_norm (int dtype, void *x, const void *h_add, int rows, int n, int g
 }
 
 extern "C" void
-moe_cuda_add (int dtype, void *x, const void *y, size_t n, cudaStream_t s)
-{
-  DISPATCH (dtype, add_kernel<T><<<elementwise_blocks (n), 256, 0, s>>> ((T *) x, (const T *) y, n));
-}
-
-extern "C" void
 moe_cuda_clamp (int dtype, void *x, size_t n, float limit, cudaStream_t s)
 {
   DISPATCH (dtype, clamp_kernel<T><<<elementwise_blocks (n), 256, 0, s>>> ((T *) x, n, limit));
 }
 
 extern "C" void
-moe_cuda_rope (int dtype, void *x, int rows, int heads, int row_stride, int head_stride, int offset,
+moe_cuda_rope (int dtype, void *x, int rows, int heads, int row_stride, int head_stride,
                const int64_t *positions, const float *inv_freq, int rope_dim, float scale, int interleaved,
                cudaStream_t s)
 {
   if (interleaved)
-    DISPATCH (dtype, rope_interleaved_kernel<T><<<rows, 32, 0, s>>> ((T *) x, heads, row_stride, head_stride, offset,
+    DISPATCH (dtype, rope_interleaved_kernel<T><<<rows, 32, 0, s>>> ((T *) x, heads, row_stride, head_stride,
                                                                      positions, inv_freq, rope_dim, scale));
   else
-    DISPATCH (dtype, rope_kernel<T><<<rows, 256, 0, s>>> ((T *) x, heads, row_stride, head_stride, offset,
+    DISPATCH (dtype, rope_kernel<T><<<rows, 256, 0, s>>> ((T *) x, heads, row_stride, head_stride,
                                                          positions, inv_freq, rope_dim, scale));
 }
 
@@ -712,11 +694,15 @@ extern "C" const char *
 moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
 {
   size_t smem = (size_t) (a->dk + (a->past_dev != NULL ? a->max_len : a->past + a->n_tokens)) * sizeof (float);
-  int max_smem = 0, dev = 0;
+  static int max_smem = 0;   /* one GPU per process (the cuda device's), read once */
   dim3 grid (a->batch * a->n_tokens, a->heads);
 
-  cudaGetDevice (&dev);
-  cudaDeviceGetAttribute (&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (max_smem == 0)
+    {
+      int dev = 0;
+      cudaGetDevice (&dev);
+      cudaDeviceGetAttribute (&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    }
   if (smem > (size_t) max_smem - 1024)
     return "the context is longer than the attention kernel's shared memory holds";
   DISPATCH (a->dtype,

@@ -34,17 +34,14 @@ void moe_cuda_rms_norm       (int dtype, void *x, const void *h_add, int rows, i
                               int group_stride, int in_stride, const float *weight, float eps, int weight_last,
                               void *y, int out_stride, cudaStream_t stream);
 
-/* x = x + y, rounded, for @n elements */
-void moe_cuda_add            (int dtype, void *x, const void *y, size_t n, cudaStream_t stream);
-
 /* x clamped to [-limit, limit] */
 void moe_cuda_clamp          (int dtype, void *x, size_t n, float limit, cudaStream_t stream);
 
-/* Rotates the first @rope_dim dims at @offset of each of @heads head
- * vectors per row (@head_stride apart; rows @row_stride apart) by the
- * row's position. @interleaved: DeepSeek's (x0, x1), (x2, x3)… pairs. */
+/* Rotates the first @rope_dim dims of each of @heads head vectors per row
+ * (@head_stride apart; rows @row_stride apart) by the row's position.
+ * @interleaved: DeepSeek's (x0, x1), (x2, x3)… pairs. */
 void moe_cuda_rope           (int dtype, void *x, int rows, int heads, int row_stride, int head_stride,
-                              int offset, const int64_t *positions, const float *inv_freq, int rope_dim,
+                              const int64_t *positions, const float *inv_freq, int rope_dim,
                               float scale, int interleaved, cudaStream_t stream);
 
 /* Writes rows [B, T] of keys and values into a layer's cache, laid out

@@ -43,6 +43,8 @@ typedef struct {
   DevLayer             *layer;
   int                   gemv_rows;   /* projections of this many rows or fewer run as GEMVs */
   int                   gemm_attention_tokens;   /* steps of this many tokens or more attend by GEMMs */
+  gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
+  gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
 } Decoder;
 
 typedef struct {
@@ -66,16 +68,12 @@ typedef struct {
 /* ------------------------------------------------------------------ */
 /* Weights                                                             */
 
+/* @n elements of host memory, copied to the device */
 static MoeTensor *
-upload_f32 (Decoder *d, const float *values, gint64 n, GError **error)
+upload (Decoder *d, MoeDType dtype, gconstpointer data, gint64 n, GError **error)
 {
-  g_autoptr(GBytes) bytes = NULL;
-  g_autoptr(MoeTensor) host = NULL;
-
-  if (values == NULL)
-    return NULL;
-  bytes = g_bytes_new_static (values, n * sizeof (float));
-  host = moe_tensor_new_from_bytes (MOE_DTYPE_F32, &n, 1, bytes, error);
+  g_autoptr(GBytes) bytes = g_bytes_new_static (data, n * moe_dtype_get_size (dtype));
+  g_autoptr(MoeTensor) host = moe_tensor_new_from_bytes (dtype, &n, 1, bytes, error);
   return host ? moe_tensor_to_device (host, MOE_DEVICE (d->dev), error) : NULL;
 }
 
@@ -222,6 +220,8 @@ moe_cuda_decoder_new (MoeDevice      *device,
    * the decode steps) through the GEMM path */
   d->gemm_attention_tokens = g_getenv ("MOE_CUDA_ATTENTION_GEMM_TOKENS")
                              ? MAX (atoi (g_getenv ("MOE_CUDA_ATTENTION_GEMM_TOKENS")), 1) : 16;
+  d->trace = g_getenv ("MOE_CUDA_TRACE") != NULL;
+  d->graphs = g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 && !d->trace;
   if (m->dtype != MOE_DTYPE_F32 && m->dtype != MOE_DTYPE_BF16 && m->dtype != MOE_DTYPE_F16)
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
@@ -243,7 +243,7 @@ moe_cuda_decoder_new (MoeDevice      *device,
       goto fail;
     }
 
-#define UP(dst, src, n) G_STMT_START { if ((src) != NULL && ((dst) = upload_f32 (d, (src), (n), &local)) == NULL) goto fail_local; } G_STMT_END
+#define UP(dst, src, n) G_STMT_START { if ((src) != NULL && ((dst) = upload (d, MOE_DTYPE_F32, (src), (n), &local)) == NULL) goto fail_local; } G_STMT_END
   d->embed = moe_tensor_to_device (m->embed, device, &local);
   if (d->embed == NULL)
     goto fail_local;
@@ -482,8 +482,6 @@ typedef struct {
   struct _Trace *trace;
 } Step;
 
-static MoeTensor *upload (Decoder *d, MoeDType dtype, gconstpointer data, gint64 n, GError **error);
-
 /* MOE_CUDA_TRACE=1: each forward prints where its time went, on the GPU
  * (events between marks) and on the host, by part of the stack. */
 enum { PART_QKV, PART_ROPE_KV, PART_ATTEND, PART_O, PART_ROUTER, PART_EXPERTS, PART_SHARED, PART_HEAD, N_PARTS };
@@ -683,7 +681,7 @@ static void
 rope (Decoder *d, const Step *s, MoeTensor *x, gsize offset, int heads, int row_stride, int head_stride)
 {
   const MoeTransformer *m = d->m;
-  moe_cuda_rope (d->dtype, (char *) DATA (x) + offset * d->elem, s->rows, heads, row_stride, head_stride, 0,
+  moe_cuda_rope (d->dtype, (char *) DATA (x) + offset * d->elem, s->rows, heads, row_stride, head_stride,
                  DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale, m->rope_interleaved,
                  d->dev->stream);
 }
@@ -847,14 +845,6 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **err
         return NULL;
     }
   return g_steal_pointer (&y);
-}
-
-static MoeTensor *
-upload (Decoder *d, MoeDType dtype, gconstpointer data, gint64 n, GError **error)
-{
-  g_autoptr(GBytes) bytes = g_bytes_new_static (data, n * moe_dtype_get_size (dtype));
-  g_autoptr(MoeTensor) host = moe_tensor_new_from_bytes (dtype, &n, 1, bytes, error);
-  return host ? moe_tensor_to_device (host, MOE_DEVICE (d->dev), error) : NULL;
 }
 
 /* The decoder on @ids (on the device), into @logits_f32 [rows or B, V]:
@@ -1048,11 +1038,10 @@ moe_cuda_decoder_forward (MoeDevice  *device,
   if (!cache_reserve (d, c, s.past, s.past + st->n_tokens, error))
     return FALSE;
 
-  /* decode steps replay a graph (MOE_CUDA_GRAPHS=0: never, for measuring) */
+  /* decode steps replay a graph */
   /* (graphs hold the attention kernel, which reads past on the device;
    * the GEMM path's chunks depend on it) */
-  if (st->n_tokens == 1 && (int) st->n_tokens < d->gemm_attention_tokens &&
-      g_getenv ("MOE_CUDA_TRACE") == NULL && g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 &&
+  if (d->graphs && st->n_tokens == 1 && (int) st->n_tokens < d->gemm_attention_tokens &&
       (sig = graph_signature (d)) != NULL)
     {
       if (graph_step (d, &s, sig, &local))
@@ -1064,7 +1053,7 @@ moe_cuda_decoder_forward (MoeDevice  *device,
         }
     }
 
-  if (g_getenv ("MOE_CUDA_TRACE") != NULL)
+  if (d->trace)
     {
       tr.on = TRUE;
       tr.events = g_array_new (FALSE, FALSE, sizeof (cudaEvent_t));
