@@ -78,6 +78,12 @@ typedef struct {
 /* Returns NULL, or a static message saying what failed. */
 const char *moe_cuda_attention       (const MoeCudaAttention *a, cudaStream_t stream);
 
+/* Many queries (prefill) in one tensor-core kernel, FlashAttention-2's
+ * scheme (moe-cuda-flash-attention.cu); what it fits: bf16 and f16, not
+ * eager (rounded) attention, head dims up to 192 (keys) and 128 (values). */
+int         moe_cuda_flash_attention_fits (const MoeCudaAttention *a);
+void        moe_cuda_flash_attention      (const MoeCudaAttention *a, cudaStream_t stream);
+
 /* Attention for many queries as two batched cuBLAS GEMMs around this: the
  * masked softmax of the scores [B*heads][rows][len] (float32, already
  * scaled) of queries t0…t0+rows-1, written as probabilities in the model

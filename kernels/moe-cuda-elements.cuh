@@ -8,6 +8,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <type_traits>
 
 #ifndef MOE_JIT
 # include "moe-cuda-experts.h"   /* MOE_CUDA_* */
@@ -50,6 +51,37 @@ activate (int act, float v)
       return 0.5f * v * (1.0f + tanhf (0.7978845608028654f * (v + 0.044715f * v * v * v)));
     default: return v > 0.0f ? v : 0.0f;
     }
+}
+
+/* ---- tensor-core primitives (sm_80+): the grouped GEMMs' and flash
+ * attention's ------------------------------------------------------------ */
+
+__device__ __forceinline__ void
+ldmatrix_x4 (unsigned r[4], const void *smem, bool trans)
+{
+  unsigned s = (unsigned) __cvta_generic_to_shared (smem);
+  if (trans)
+    asm volatile ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+  else
+    asm volatile ("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+
+template <typename T>
+__device__ __forceinline__ void
+mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
+{
+  if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    asm volatile ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  else
+    asm volatile ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 } /* namespace */

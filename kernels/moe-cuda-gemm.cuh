@@ -432,34 +432,6 @@ cp_async8x2 (void *smem, const unsigned char *row, int offset, int row_bytes)
     }
 }
 
-__device__ __forceinline__ void
-ldmatrix_x4 (unsigned r[4], const void *smem, bool trans)
-{
-  unsigned s = (unsigned) __cvta_generic_to_shared (smem);
-  if (trans)
-    asm volatile ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
-  else
-    asm volatile ("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
-}
-
-template <typename T>
-__device__ __forceinline__ void
-mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
-{
-  if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    asm volatile ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  else
-    asm volatile ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 template <typename T, int MODE, bool KMAJOR, typename C>
 __global__ void __launch_bounds__ (256)
 grouped_gemm_tc (MoeCudaExperts p, Route r, const T *a_base, T *dst, int n_tiles)

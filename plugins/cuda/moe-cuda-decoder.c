@@ -42,7 +42,7 @@ typedef struct {
   MoeTensor            *embed, *lm_head, *final_norm, *inv_freq;
   DevLayer             *layer;
   int                   gemv_rows;   /* projections of this many rows or fewer run as GEMVs */
-  int                   gemm_attention_tokens;   /* steps of this many tokens or more attend by GEMMs */
+  int                   prefill_attention_tokens;   /* steps of this many tokens or more: flash kernel or GEMMs */
   gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
   gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
 } Decoder;
@@ -215,11 +215,12 @@ moe_cuda_decoder_new (MoeDevice      *device,
    * batch 8 (9.3 against 8.5 ms). MOE_CUDA_GEMV_ROWS (0…8) moves the split. */
   d->gemv_rows = g_getenv ("MOE_CUDA_GEMV_ROWS") ? CLAMP (atoi (g_getenv ("MOE_CUDA_GEMV_ROWS")), 0, MOE_CUDA_GEMV_ROWS)
                                                  : 4;
-  /* MOE_CUDA_ATTENTION_GEMM_TOKENS moves the attention kernel/GEMM split:
-   * the GPU test sets it to 1 to run the fixtures' 9-token prompts (and
-   * the decode steps) through the GEMM path */
-  d->gemm_attention_tokens = g_getenv ("MOE_CUDA_ATTENTION_GEMM_TOKENS")
-                             ? MAX (atoi (g_getenv ("MOE_CUDA_ATTENTION_GEMM_TOKENS")), 1) : 16;
+  /* MOE_CUDA_PREFILL_ATTENTION_TOKENS moves the split between the
+   * few-query attention kernel and the prefill paths (flash kernel, or
+   * GEMMs for float32 and eager attention): the GPU test sets it to 1 to
+   * run the fixtures' 9-token prompts (and the decode steps) through them */
+  d->prefill_attention_tokens = g_getenv ("MOE_CUDA_PREFILL_ATTENTION_TOKENS")
+                                ? MAX (atoi (g_getenv ("MOE_CUDA_PREFILL_ATTENTION_TOKENS")), 1) : 16;
   d->trace = g_getenv ("MOE_CUDA_TRACE") != NULL;
   d->graphs = g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 && !d->trace;
   if (m->dtype != MOE_DTYPE_F32 && m->dtype != MOE_DTYPE_BF16 && m->dtype != MOE_DTYPE_F16)
@@ -663,10 +664,16 @@ attend (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int
 
   if (out == NULL)
     return NULL;
-  /* many queries: on the tensor cores; a few (decode): one kernel */
-  if ((int) s->st->n_tokens >= d->gemm_attention_tokens)
-    return attend_gemm (d, s, li, q, q_row_stride, dk, dv, out, error) ? g_steal_pointer (&out) : NULL;
+  /* many queries: on the tensor cores, one flash kernel where it fits;
+   * a few (decode): one kernel */
   a.out = DATA (out);
+  if ((int) s->st->n_tokens >= d->prefill_attention_tokens)
+    {
+      if (!moe_cuda_flash_attention_fits (&a))
+        return attend_gemm (d, s, li, q, q_row_stride, dk, dv, out, error) ? g_steal_pointer (&out) : NULL;
+      moe_cuda_flash_attention (&a, d->dev->stream);
+      return g_steal_pointer (&out);
+    }
   msg = moe_cuda_attention (&a, d->dev->stream);
   if (msg != NULL)
     {
@@ -1039,9 +1046,9 @@ moe_cuda_decoder_forward (MoeDevice  *device,
     return FALSE;
 
   /* decode steps replay a graph */
-  /* (graphs hold the attention kernel, which reads past on the device;
-   * the GEMM path's chunks depend on it) */
-  if (d->graphs && st->n_tokens == 1 && (int) st->n_tokens < d->gemm_attention_tokens &&
+  /* (graphs hold the few-query attention kernel, which reads past on the
+   * device; the prefill GEMM path's chunks depend on it) */
+  if (d->graphs && st->n_tokens == 1 && (int) st->n_tokens < d->prefill_attention_tokens &&
       (sig = graph_signature (d)) != NULL)
     {
       if (graph_step (d, &s, sig, &local))

@@ -29,16 +29,18 @@ test_family_bf16 (gconstpointer data)
   moe_test_family_bf16 (data, "cuda");
 }
 
-/* The prefill attention path (batched GEMMs around the masked softmax),
- * which the decoder takes from 16 tokens on, on the fixtures' 9-token
- * prompts and decode steps: MOE_CUDA_ATTENTION_GEMM_TOKENS=1 at load */
+/* The prefill attention paths, which the decoder takes from 16 tokens on,
+ * on the fixtures' 9-token prompts and decode steps
+ * (MOE_CUDA_PREFILL_ATTENTION_TOKENS=1 at load): float32 and GPT-OSS's eager
+ * attention through batched GEMMs around the masked softmax, the other bf16
+ * models through the flash kernel. */
 static void
-test_family_gemm_attention (gconstpointer data)
+test_family_prefill_attention (gconstpointer data)
 {
-  g_setenv ("MOE_CUDA_ATTENTION_GEMM_TOKENS", "1", TRUE);
+  g_setenv ("MOE_CUDA_PREFILL_ATTENTION_TOKENS", "1", TRUE);
   moe_test_family_f32 (data, "cuda");
   moe_test_family_bf16 (data, "cuda");
-  g_unsetenv ("MOE_CUDA_ATTENTION_GEMM_TOKENS");
+  g_unsetenv ("MOE_CUDA_PREFILL_ATTENTION_TOKENS");
 }
 
 static void
@@ -174,8 +176,8 @@ main (int argc, char *argv[])
     }
   for (guint i = 0; i < G_N_ELEMENTS (moe_test_families); i++)
     {
-      g_autofree char *p = g_strdup_printf ("/cuda/model/gemm-attention/%s", moe_test_families[i]);
-      g_test_add_data_func (p, moe_test_families[i], test_family_gemm_attention);
+      g_autofree char *p = g_strdup_printf ("/cuda/model/prefill-attention/%s", moe_test_families[i]);
+      g_test_add_data_func (p, moe_test_families[i], test_family_prefill_attention);
     }
   g_test_add_func ("/cuda/model/decode-switch", test_decode_switch);
   g_test_add_func ("/cuda/model/padded-batch", test_padded_batch);
