@@ -10,6 +10,13 @@
 #   tools/gpu-run.sh model-bench [ARGS]
 #                                   tools/bench-model-cuda.py ARGS (a whole
 #                                   model, beside transformers)
+#   tools/gpu-run.sh profile [ARGS]  moe-bench-model ARGS (the model-bench
+#                                   checkpoint, --device cuda --dtype bfloat16)
+#                                   under Nsight Compute, every kernel timed
+#                                   alone: a table of GPU time per kernel
+#                                   (tools/ncu-summary.py); run model-bench
+#                                   first in the same call; NCU_ARGS: more
+#                                   ncu options
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts, or
 #                                   test-cuda-model) under compute-sanitizer
@@ -67,6 +74,15 @@ case "$what" in
   model-bench)
     PYTHONUNBUFFERED=1 exec python3 tools/bench-model-cuda.py --libmoe-bench "$root/bin/moe-bench-model" "$@"
     ;;
+  profile)
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    [ -n "$ncu" ] || { echo "no ncu on this machine" >&2; exit 1; }
+    # shellcheck disable=SC2086 # NCU_ARGS: more ncu options (--launch-skip N …)
+    "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum --print-units base ${NCU_ARGS:-} \
+      "$root/bin/moe-bench-model" -m /tmp/qwen1.5-moe-a2.7b-random --device cuda -d bfloat16 "$@" \
+      > /tmp/ncu.csv 2> /tmp/ncu.err || { tail -20 /tmp/ncu.err; exit 1; }
+    python3 tools/ncu-summary.py /tmp/ncu.csv
+    ;;
   *)
-    echo "usage: $0 test | bench [ARGS] | model-bench [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | model-bench [ARGS] | profile [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac
