@@ -12,6 +12,7 @@
 #include "moe-cuda-elements.cuh"
 
 #include <cfloat>
+#include <climits>
 
 namespace {
 
@@ -632,6 +633,50 @@ to_f32_kernel (const T *x, size_t n, float *y)
     y[i] = to_f (x[i]);
 }
 
+/* Each row's first index of its largest value (_moe_greedy_token's rule):
+ * a block per row, then the block's (value, index) pairs reduced. */
+__global__ void __launch_bounds__ (1024)
+argmax_kernel (const float *x, int n, int64_t *out)
+{
+  __shared__ float best_v[32];
+  __shared__ int best_i[32];
+  const float *row = x + (size_t) blockIdx.x * n;
+  float v = -INFINITY;
+  int i = INT_MAX, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+
+  for (int j = threadIdx.x; j < n; j += blockDim.x)
+    if (row[j] > v)   /* j only grows: the first of equals stays */
+      {
+        v = row[j];
+        i = j;
+      }
+  auto better = [] (float v2, int i2, float v1, int i1) { return v2 > v1 || (v2 == v1 && i2 < i1); };
+  for (int o = 16; o > 0; o >>= 1)
+    {
+      float v2 = __shfl_xor_sync (0xffffffffu, v, o);
+      int i2 = __shfl_xor_sync (0xffffffffu, i, o);
+      if (better (v2, i2, v, i))
+        v = v2, i = i2;
+    }
+  if (lane == 0)
+    best_v[warp] = v, best_i[warp] = i;
+  __syncthreads ();
+  if (warp == 0)
+    {
+      v = lane < (int) blockDim.x / 32 ? best_v[lane] : -INFINITY;
+      i = lane < (int) blockDim.x / 32 ? best_i[lane] : INT_MAX;
+      for (int o = 16; o > 0; o >>= 1)
+        {
+          float v2 = __shfl_xor_sync (0xffffffffu, v, o);
+          int i2 = __shfl_xor_sync (0xffffffffu, i, o);
+          if (better (v2, i2, v, i))
+            v = v2, i = i2;
+        }
+      if (lane == 0)
+        out[blockIdx.x] = i == INT_MAX ? 0 : i;   /* all -inf (or NaN): the first, as on the host */
+    }
+}
+
 unsigned
 elementwise_blocks (size_t n)
 {
@@ -788,4 +833,10 @@ extern "C" void
 moe_cuda_to_f32 (int dtype, const void *x, size_t n, float *y, cudaStream_t s)
 {
   DISPATCH (dtype, to_f32_kernel<T><<<elementwise_blocks (n), 256, 0, s>>> ((const T *) x, n, y));
+}
+
+extern "C" void
+moe_cuda_argmax (const float *x, int rows, int n, int64_t *out, cudaStream_t s)
+{
+  argmax_kernel<<<rows, 1024, 0, s>>> (x, n, out);
 }

@@ -165,6 +165,9 @@ typedef struct {
 
 void moe_cuda_gemv           (const MoeCudaGemv *g, cudaStream_t stream);
 
+/* out[r] = the first index of row r's largest value (greedy decoding) */
+void moe_cuda_argmax         (const float *x, int rows, int n, int64_t *out, cudaStream_t stream);
+
 /* y = x as float32 */
 void moe_cuda_to_f32         (int dtype, const void *x, size_t n, float *y, cudaStream_t stream);
 

@@ -961,7 +961,7 @@ forward_locked (MoeModel *self, const Batch *b, GError **error)
 
   cache = _moe_kv_cache_new (self->transformer, b->B);
   ok = _moe_transformer_forward (self->transformer, cache, b->ids, b->B, b->T, positions, b->mask, FALSE,
-                                 moe_tensor_get_mutable_data (logits), error);
+                                 moe_tensor_get_mutable_data (logits), NULL, error);
   _moe_kv_cache_free (cache);
   return ok ? g_steal_pointer (&logits) : NULL;
 }
@@ -1108,10 +1108,10 @@ compare_descending (gconstpointer a, gconstpointer b, gpointer data)
   return *(const guint *) a < *(const guint *) b ? -1 : 1;
 }
 
+/* do_sample's token (greedy decoding is _moe_greedy_token) */
 static guint
 sample (const float *logits, gint64 V, MoeGenerationConfig *config, GRand *rng)
 {
-  gboolean do_sample;
   double temperature, top_p;
   guint top_k_n;
   g_autofree guint *order = NULL;
@@ -1119,16 +1119,7 @@ sample (const float *logits, gint64 V, MoeGenerationConfig *config, GRand *rng)
   double max = -INFINITY, sum = 0, acc = 0, r;
   guint n;
 
-  g_object_get (config, "do-sample", &do_sample, "temperature", &temperature,
-                "top-k", &top_k_n, "top-p", &top_p, NULL);
-  if (!do_sample)
-    {
-      guint best = 0;
-      for (gint64 v = 1; v < V; v++)
-        if (logits[v] > logits[best])
-          best = v;
-      return best;
-    }
+  g_object_get (config, "temperature", &temperature, "top-k", &top_k_n, "top-p", &top_p, NULL);
 
   /* temperature, then top-k, then top-p, as transformers' warpers */
   order = g_new (guint, V);
@@ -1185,9 +1176,11 @@ generate_locked (MoeModel            *self,
   const gint64 *eos;
   gint64 pad;
   guint64 seed;
+  gboolean do_sample;
   g_autofree gint64 *positions = g_new (gint64, (gsize) b->B * b->T);
   g_autofree gint64 *next_pos = g_new (gint64, b->B);
-  g_autofree float *logits = g_new (float, (gsize) b->B * V);
+  g_autofree float *logits = NULL;
+  g_autofree gint64 *greedy = NULL;
   g_autofree gboolean *finished = g_new0 (gboolean, b->B);
   g_autoptr(GArray) out = g_array_new (FALSE, FALSE, sizeof (gint64));   /* [steps][B] */
   g_autofree guint8 *valid = NULL;
@@ -1197,7 +1190,14 @@ generate_locked (MoeModel            *self,
   MoeKvCache *cache;
   MoeDecodeSwitch policy;
 
-  g_object_get (config, "max-new-tokens", &max_new, "seed", &seed, "pad-token-id", &pad, NULL);
+  g_object_get (config, "max-new-tokens", &max_new, "seed", &seed, "pad-token-id", &pad, "do-sample", &do_sample,
+                NULL);
+  /* greedy: the model picks the tokens where the logits are (a GPU sends
+   * back B ids, not B·V floats); sampling reads the logits here */
+  if (do_sample)
+    logits = g_new (float, (gsize) b->B * V);
+  else
+    greedy = g_new (gint64, b->B);
   eos = moe_generation_config_get_eos_token_ids (config, &n_eos);
   if (pad < 0)
     pad = n_eos > 0 ? eos[0] : 0;
@@ -1291,7 +1291,7 @@ generate_locked (MoeModel            *self,
       moe_mutex_lock (&self->lock);
       sync_experts_locked (self);
       moe_mutex_unlock (&self->lock);
-      if (!_moe_transformer_forward (tf, cache, ids, b->B, T, pos, key_valid, TRUE, logits, error))
+      if (!_moe_transformer_forward (tf, cache, ids, b->B, T, pos, key_valid, TRUE, logits, greedy, error))
         {
           ok = FALSE;
           break;
@@ -1299,7 +1299,7 @@ generate_locked (MoeModel            *self,
 
       for (guint i = 0; i < b->B; i++)
         {
-          gint64 tok = finished[i] ? pad : sample (logits + (gsize) i * V, V, config, rng);
+          gint64 tok = finished[i] ? pad : greedy ? greedy[i] : sample (logits + (gsize) i * V, V, config, rng);
           g_array_append_val (out, tok);
           for (guint e = 0; e < n_eos && !finished[i]; e++)
             finished[i] = tok == eos[e];

@@ -121,7 +121,9 @@ typedef struct {
   const gint64 *positions;     /* [B, T] */
   const guint8 *key_valid;     /* [B, past + T] or NULL */
   gboolean      last_only;
-  float        *logits;        /* [B, T, V], or [B, V] when last_only */
+  float        *logits;        /* [B, T, V], or [B, V] when last_only; NULL with @tokens */
+  gint64       *tokens;        /* or NULL; with last_only: [B], each row's greedy token (the
+                                * first index of its largest logit), the logits left on the device */
 } MoeDecoderStep;
 
 MoeTransformer *_moe_transformer_new          (MoeConfig      *config,
@@ -143,6 +145,11 @@ gint64          _moe_transformer_get_vocab_size (MoeTransformer *self);
 guint           _moe_transformer_get_num_experts (MoeTransformer *self);
 guint           _moe_transformer_get_top_k    (MoeTransformer *self);
 
+/* the greedy next token: the first index of the largest of @vocab logits
+ * (devices that compute it themselves match this) */
+gint64          _moe_greedy_token             (const float    *logits,
+                                               gint64          vocab);
+
 MoeKvCache     *_moe_kv_cache_new             (MoeTransformer *self,
                                                guint           batch);
 void            _moe_kv_cache_free            (MoeKvCache     *cache);
@@ -152,7 +159,9 @@ guint           _moe_kv_cache_get_length      (MoeKvCache     *cache);
  * keys and values to @cache. @positions is [B, T]; @key_valid is
  * [B, past + T] (which cached and new positions may be attended to; NULL:
  * all). Writes logits [B, T, V] into @logits, or only the last position's
- * [B, V] when @last_only. */
+ * [B, V] when @last_only; or, with @last_only and @tokens set, only each
+ * sequence's greedy next token (its logits' first argmax) into @tokens,
+ * which a device computes where its logits are (@logits may be NULL). */
 gboolean        _moe_transformer_forward      (MoeTransformer *self,
                                                MoeKvCache     *cache,
                                                const gint64   *ids,
@@ -162,6 +171,7 @@ gboolean        _moe_transformer_forward      (MoeTransformer *self,
                                                const guint8   *key_valid,
                                                gboolean        last_only,
                                                float          *logits,
+                                               gint64         *tokens,
                                                GError        **error);
 
 G_END_DECLS

@@ -1474,6 +1474,18 @@ moe_block (MoeTransformer *m, const Layer *L, const float *x, gsize rows, float 
   return TRUE;
 }
 
+gint64
+_moe_greedy_token (const float *logits,
+                   gint64       vocab)
+{
+  gint64 best = 0;
+
+  for (gint64 v = 1; v < vocab; v++)
+    if (logits[v] > logits[best])
+      best = v;
+  return best;
+}
+
 gboolean
 _moe_transformer_forward (MoeTransformer *m,
                           MoeKvCache     *cache,
@@ -1484,13 +1496,16 @@ _moe_transformer_forward (MoeTransformer *m,
                           const guint8   *key_valid,
                           gboolean        last_only,
                           float          *logits,
+                          gint64         *tokens,
                           GError        **error)
 {
   gsize rows = (gsize) batch * n_tokens, H = m->hidden;
-  g_autofree float *h = NULL, *x = NULL, *y = NULL;
+  g_autofree float *h = NULL, *x = NULL, *y = NULL, *own_logits = NULL;
   Step st = { batch, n_tokens, cache->length, positions, key_valid };
 
   g_return_val_if_fail (cache->batch == batch, FALSE);
+  g_return_val_if_fail (tokens == NULL || last_only, FALSE);
+  g_return_val_if_fail (logits != NULL || tokens != NULL, FALSE);
 
   for (gsize r = 0; r < rows; r++)
     if (ids[r] < 0 || ids[r] >= m->vocab)
@@ -1503,7 +1518,7 @@ _moe_transformer_forward (MoeTransformer *m,
 
   if (m->device_decoder != NULL)
     {
-      MoeDecoderStep step = { cache, ids, batch, n_tokens, positions, key_valid, last_only, logits };
+      MoeDecoderStep step = { cache, ids, batch, n_tokens, positions, key_valid, last_only, logits, tokens };
       if (!MOE_DEVICE_GET_CLASS (m->device)->decoder_forward (m->device, m->device_decoder, &step, error))
         return FALSE;
       cache->length += n_tokens;
@@ -1575,8 +1590,13 @@ _moe_transformer_forward (MoeTransformer *m,
         src = last;
         out_rows = batch;
       }
+    if (logits == NULL)
+      logits = own_logits = g_new (float, out_rows * m->vocab);
     rms_norm (m, src, out_rows, H, H, m->final_norm, x);
     linear (m, &head, x, out_rows, logits);
+    if (tokens != NULL)
+      for (gsize r = 0; r < out_rows; r++)
+        tokens[r] = _moe_greedy_token (logits + r * m->vocab, m->vocab);
   }
   return TRUE;
 }

@@ -932,6 +932,26 @@ new_typed (Decoder *d, MoeDType dtype, gint64 n, GError **error)
   return moe_tensor_new_empty (MOE_DEVICE (d->dev), dtype, &n, 1, error);
 }
 
+/* The step's result to the host, and the wait for it: the logits, or
+ * (greedy decoding) only each row's token, picked on the device. */
+static gboolean
+send_back (Decoder *d, const MoeDecoderStep *st, MoeTensor *logits_f32, int rows, GError **error)
+{
+  cudaStream_t stream = d->dev->stream;
+  g_autoptr(MoeTensor) tokens = NULL;
+
+  if (st->tokens == NULL)
+    return moe_cuda_check (cudaMemcpyAsync (st->logits, DATA (logits_f32), (gsize) rows * d->m->vocab * sizeof (float),
+                                            cudaMemcpyDeviceToHost, stream), "copying the logits", error) &&
+           moe_device_synchronize (MOE_DEVICE (d->dev), error);
+  if ((tokens = new_typed (d, MOE_DTYPE_I64, rows, error)) == NULL)
+    return FALSE;
+  moe_cuda_argmax (DATA (logits_f32), rows, (int) d->m->vocab, DATA (tokens), stream);
+  return moe_cuda_check (cudaMemcpyAsync (st->tokens, DATA (tokens), (gsize) rows * sizeof (gint64),
+                                          cudaMemcpyDeviceToHost, stream), "copying the greedy tokens", error) &&
+         moe_device_synchronize (MOE_DEVICE (d->dev), error);
+}
+
 /* A one-token step through the cache's graph: the inputs into its fixed
  * buffers, then a replay (capturing it first where it is due). FALSE with
  * no error set: no graph for this step, run it directly. */
@@ -1008,9 +1028,7 @@ graph_step (Decoder *d, Step *s, const char *sig, GError **error)
       c->signature = g_strdup (sig);
     }
   return moe_cuda_check (cudaGraphLaunch (c->exec, stream), "replaying the decode graph", error) &&
-         moe_cuda_check (cudaMemcpyAsync (st->logits, DATA (c->g_logits), (gsize) B * d->m->vocab * sizeof (float),
-                                          cudaMemcpyDeviceToHost, stream), "copying the logits", error) &&
-         moe_device_synchronize (MOE_DEVICE (dev), error);
+         send_back (d, st, c->g_logits, B, error);
 }
 
 gboolean
@@ -1086,7 +1104,5 @@ moe_cuda_decoder_forward (MoeDevice  *device,
       g_free (c->warm);
       c->warm = g_steal_pointer (&sig);
     }
-  return moe_cuda_check (cudaMemcpyAsync (st->logits, DATA (logits_f32), (gsize) out_rows * m->vocab * sizeof (float),
-                                          cudaMemcpyDeviceToHost, d->dev->stream), "copying the logits", error) &&
-         moe_device_synchronize (device, error);
+  return send_back (d, st, logits_f32, out_rows, error);
 }
