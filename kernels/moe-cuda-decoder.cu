@@ -65,9 +65,16 @@ embed_kernel (const T *table, const int64_t *ids, int width, T *out)
 {
   const T *src = table + ids[blockIdx.x] * (size_t) width;
   T *dst = out + blockIdx.x * (size_t) width;
+#pragma unroll 8
   for (int i = threadIdx.x; i < width; i += blockDim.x)
     dst[i] = src[i];
 }
+
+/* A block per (row, group). The values stay in registers between the sum
+ * of squares and the scaling, and every load of a pass is issued before
+ * the first is used: at batch 1 a norm is one block, bound by load latency
+ * rather than bandwidth. */
+constexpr int NORM_PER_THREAD = 8;
 
 template <typename T>
 __global__ void
@@ -77,24 +84,47 @@ rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int 
   size_t r = blockIdx.x / groups, g = blockIdx.x % groups;
   T *xr = x + r * in_stride + g * group_stride;
   T *yr = y + r * out_stride + g * group_stride;
-  float ss = 0;
+  const T *ar = h_add != nullptr ? h_add + r * in_stride + g * group_stride : nullptr;
+  float v[NORM_PER_THREAD], ss = 0;
 
-  for (int i = threadIdx.x; i < n; i += blockDim.x)
+#pragma unroll
+  for (int k = 0; k < NORM_PER_THREAD; k++)
     {
-      float v = to_f (xr[i]);
-      if (h_add != nullptr)
+      int i = threadIdx.x + k * blockDim.x;
+      v[k] = i < n ? to_f (xr[i]) : 0.0f;
+      if (ar != nullptr && i < n)
+        v[k] = rnd<T> (v[k] + to_f (ar[i]));
+    }
+#pragma unroll
+  for (int k = 0; k < NORM_PER_THREAD; k++)
+    {
+      int i = threadIdx.x + k * blockDim.x;
+      if (ar != nullptr && i < n)
+        xr[i] = from_f<T> (v[k]);
+      ss += v[k] * v[k];
+    }
+  /* rows wider than the registers hold (over 8192): the rest in a loop */
+  for (int i = threadIdx.x + NORM_PER_THREAD * blockDim.x; i < n; i += blockDim.x)
+    {
+      float t = to_f (xr[i]);
+      if (ar != nullptr)
         {
-          v = rnd<T> (v + to_f (h_add[r * in_stride + i]));
-          xr[i] = from_f<T> (v);
+          t = rnd<T> (t + to_f (ar[i]));
+          xr[i] = from_f<T> (t);
         }
-      ss += v * v;
+      ss += t * t;
     }
   float inv = 1.0f / sqrtf (block_reduce<false> (ss) / (float) n + eps);
-  for (int i = threadIdx.x; i < n; i += blockDim.x)
+  auto scaled = [&] (float t, int i) { return from_f<T> (weight_last ? t * inv * w[i] : rnd<T> (t * inv) * w[i]); };
+#pragma unroll
+  for (int k = 0; k < NORM_PER_THREAD; k++)
     {
-      float v = to_f (xr[i]);   /* this thread's own write above */
-      yr[i] = from_f<T> (weight_last ? v * inv * w[i] : rnd<T> (v * inv) * w[i]);
+      int i = threadIdx.x + k * blockDim.x;
+      if (i < n)
+        yr[i] = scaled (v[k], i);
     }
+  for (int i = threadIdx.x + NORM_PER_THREAD * blockDim.x; i < n; i += blockDim.x)
+    yr[i] = scaled (to_f (xr[i]), i);   /* this thread's own write above */
 }
 
 template <typename T>
@@ -105,18 +135,19 @@ clamp_kernel (T *x, size_t n, float limit)
     x[i] = from_f<T> (fminf (fmaxf (to_f (x[i]), -limit), limit));
 }
 
+/* A block per (row, head): at batch 1 that is many small blocks, each
+ * one round of loads, where one block per row would wait on a dozen. */
 template <typename T>
 __global__ void
-rope_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *positions,
-             const float *inv_freq, int rope_dim, float scale)
+rope_kernel (T *x, int row_stride, int head_stride, const int64_t *positions, const float *inv_freq, int rope_dim,
+             float scale)
 {
   int half = rope_dim / 2;
   float pos = (float) positions[blockIdx.x];
+  T *v = x + blockIdx.x * (size_t) row_stride + (size_t) blockIdx.y * head_stride;
 
-  for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x)
+  for (int i = threadIdx.x; i < half; i += blockDim.x)
     {
-      int h = idx / half, i = idx % half;
-      T *v = x + blockIdx.x * (size_t) row_stride + (size_t) h * head_stride;
       float angle = inv_freq[i] * pos;
       float c = rnd<T> (cosf (angle) * scale), s = rnd<T> (sinf (angle) * scale);
       float x1 = to_f (v[i]), x2 = to_f (v[i + half]);
@@ -209,6 +240,7 @@ attention_kernel (MoeCudaAttention a)
       if (ok)
         {
           float acc = 0;
+#pragma unroll 4
           for (int d = lane; d < a.dk; d += 32)
             acc += qs[d] * to_f (K[(size_t) j * a.dk + d]);
           s = warp_sum (acc) * a.scaling;
@@ -242,6 +274,7 @@ attention_kernel (MoeCudaAttention a)
   for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
     {
       float acc = 0;
+#pragma unroll 8   /* loads in flight together: a decode step's keys are few */
       for (int j = 0; j < len; j++)
         {
           float p = score[j];
@@ -504,7 +537,7 @@ route_kernel (MoeCudaRouter r)
 }
 
 /* acc[r] += w · x[r] for the R rows: a warp, 16-byte loads of the weight
- * row (four in flight per lane: the memory's speed), the inputs from L1/L2 */
+ * row (eight in flight per lane: the memory's speed), the inputs from L1/L2 */
 template <typename T, int R>
 __device__ __forceinline__ void
 warp_dot (const T *w, const T *x, int ldx, int in, bool vec, float *acc)
@@ -513,7 +546,7 @@ warp_dot (const T *w, const T *x, int ldx, int in, bool vec, float *acc)
   int lane = threadIdx.x % 32;
 
   if (vec)
-#pragma unroll 4
+#pragma unroll 8
     for (int k = lane * V; k < in; k += 32 * V)
       {
         uint4 wv = __ldg ((const uint4 *) (w + k));
@@ -697,7 +730,11 @@ moe_cuda_rms_norm (int dtype, void *x, const void *h_add, int rows, int n, int g
                    int in_stride, const float *weight, float eps, int weight_last, void *y, int out_stride,
                    cudaStream_t s)
 {
-  DISPATCH (dtype, rms_norm_kernel<T><<<rows * groups, n >= 1024 ? 256 : 128, 0, s>>> (
+  /* enough threads that each holds at most NORM_PER_THREAD values */
+  int threads = 128;
+  while (threads < 1024 && threads * NORM_PER_THREAD < n)
+    threads *= 2;
+  DISPATCH (dtype, rms_norm_kernel<T><<<rows * groups, threads, 0, s>>> (
                      (T *) x, (const T *) h_add, n, groups, group_stride, in_stride, weight, eps, weight_last,
                      (T *) y, out_stride));
 }
@@ -717,8 +754,8 @@ moe_cuda_rope (int dtype, void *x, int rows, int heads, int row_stride, int head
     DISPATCH (dtype, rope_interleaved_kernel<T><<<rows, 32, 0, s>>> ((T *) x, heads, row_stride, head_stride,
                                                                      positions, inv_freq, rope_dim, scale));
   else
-    DISPATCH (dtype, rope_kernel<T><<<rows, 256, 0, s>>> ((T *) x, heads, row_stride, head_stride,
-                                                         positions, inv_freq, rope_dim, scale));
+    DISPATCH (dtype, rope_kernel<T><<<dim3 (rows, heads), rope_dim / 2 < 256 ? rope_dim / 2 : 256, 0, s>>> (
+                       (T *) x, row_stride, head_stride, positions, inv_freq, rope_dim, scale));
 }
 
 extern "C" void

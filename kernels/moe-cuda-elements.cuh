@@ -56,6 +56,15 @@ activate (int act, float v)
 /* ---- tensor-core primitives (sm_80+): the grouped GEMMs' and flash
  * attention's ------------------------------------------------------------ */
 
+/* 16 bytes global → shared without registers; zeros where !valid */
+__device__ __forceinline__ void
+cp_async16 (void *smem, const void *gmem, bool valid)
+{
+  unsigned s = (unsigned) __cvta_generic_to_shared (smem);
+  int n = valid ? 16 : 0;
+  asm volatile ("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(n));
+}
+
 __device__ __forceinline__ void
 ldmatrix_x4 (unsigned r[4], const void *smem, bool trans)
 {

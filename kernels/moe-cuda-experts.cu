@@ -172,6 +172,7 @@ rowwise (MoeCudaExperts p, const TA *src_rows, T *h, T *y)
 
   if ((unsigned long long) id >= (unsigned long long) E)
     return;
+#pragma unroll 8   /* the loads in flight together: this waits before any weight is read */
   for (int k = threadIdx.x; k < K; k += blockDim.x)
     xs[k] = to_f (src[k]);
   __syncthreads ();

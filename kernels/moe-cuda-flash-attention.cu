@@ -5,11 +5,13 @@
  * and both products run on the tensor cores (mma.sync m16n8k16, float32
  * accumulation). No score matrix ever reaches memory.
  *
- * Numerics as torch's flash/efficient SDPA kernels: scores and softmax in
- * float32, the unnormalised probabilities rounded to the model dtype for the
- * product with the values, the output divided by the row sum and rounded
- * once. (Eager attention, which rounds the scores and the normalised
- * probabilities, and float32 models take the GEMM path instead.)
+ * Numerics: scores and softmax in float32 as SDPA's; the probabilities
+ * enter the product with the values as two terms of the model dtype (p =
+ * hi + lo), about as exact as float32 — rounding them to bf16 once, as
+ * GPU flash kernels do, moves OLMoE's fixture logits 3.4e-2 from
+ * transformers' (CPU SDPA keeps them in float32); the output is divided by
+ * the row sum and rounded once. Eager attention, which rounds the scores
+ * and the normalised probabilities, and float32 models take the GEMM path.
  *
  * SPDX-License-Identifier: LGPL-2.1-or-later
  */
@@ -47,38 +49,42 @@ query_pair (const MoeCudaAttention &a, int b, int h, int t, int d)
   return pack2<T> (d < a.dk ? to_f (q[d]) : 0.0f, d + 1 < a.dk ? to_f (q[d + 1]) : 0.0f);
 }
 
-/* Rows j0…j0+BK-1 of a head's keys or values (rows of @d at @src) into
- * shared memory rows of D + 8 (the pad keeps ldmatrix and the fragment
- * loads free of bank conflicts), zero past @n rows and @d columns. */
+/* exp2 on the special function unit (as SDPA kernels built with fast
+ * math): -inf gives 0 */
+__device__ __forceinline__ float
+exp2_fast (float x)
+{
+  float y;
+  asm ("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/* Starts copying rows j0…j0+BK-1 of a head's keys or values (rows of @d at
+ * @src) into shared memory rows of D + 8 (the pad keeps ldmatrix and the
+ * fragment loads free of bank conflicts), zeros past @n rows and @d columns:
+ * asynchronous 16-byte copies where rows allow them, else plain loads. */
 template <typename T, int D>
 __device__ __forceinline__ void
-load_tile (T *dst, const T *src, int j0, int n, int d)
+fetch_tile (T *dst, const T *src, int j0, int n, int d, bool async)
 {
   constexpr int S = D + 8, C = D / 8;   /* 16-byte chunks a row */
-  bool vec = d % 8 == 0 && (uintptr_t) src % 16 == 0;
 
+#pragma unroll 4
   for (int i = threadIdx.x; i < BK * C; i += blockDim.x)
     {
       int r = i / C, c = i % C;
-      uint4 v = make_uint4 (0, 0, 0, 0);
-      if (r < n)
+      const T *row = src + (size_t) (j0 + r) * d + c * 8;
+      bool in = r < n && c * 8 < d;
+      if (async)
+        cp_async16 (dst + r * S + c * 8, in ? row : src, in);
+      else
         {
-          const T *row = src + (size_t) (j0 + r) * d + c * 8;
-          if (vec)
-            {
-              if (c * 8 < d)
-                v = __ldg ((const uint4 *) row);
-            }
-          else
-            {
-              T e[8];
+          T e[8];
 #pragma unroll
-              for (int q = 0; q < 8; q++)
-                e[q] = c * 8 + q < d ? row[q] : from_f<T> (0.0f);
-              memcpy (&v, e, sizeof v);
-            }
+          for (int q = 0; q < 8; q++)
+            e[q] = in && c * 8 + q < d ? row[q] : from_f<T> (0.0f);
+          memcpy (dst + r * S + c * 8, e, sizeof e);
         }
-      *(uint4 *) (dst + r * S + c * 8) = v;
     }
 }
 
@@ -87,8 +93,8 @@ __global__ void __launch_bounds__ (128)
 flash_attention_kernel (MoeCudaAttention a)
 {
   constexpr int SK = DK + 8, SV = DV + 8;
-  __shared__ __align__ (16) T ks[BK * SK];
-  __shared__ __align__ (16) T vs[BK * SV];
+  extern __shared__ __align__ (16) unsigned char smem[];
+  T *ks = (T *) smem, *vs = ks + 2 * BK * SK;   /* two stages each: the next tile loads during this one */
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int b = blockIdx.z, h = blockIdx.y;
   const int t0 = (gridDim.x - 1 - blockIdx.x) * BQ;   /* the longest rows start first */
@@ -98,6 +104,7 @@ flash_attention_kernel (MoeCudaAttention a)
   const int kvh = h / (a.heads / a.kv_heads);
   const T *K = (const T *) a.k_cache + (size_t) (b * a.kv_heads + kvh) * a.capacity * a.dk;
   const T *V = (const T *) a.v_cache + (size_t) (b * a.kv_heads + kvh) * a.capacity * a.dv;
+  const bool async = a.dk % 8 == 0 && a.dv % 8 == 0 && (uintptr_t) K % 16 == 0 && (uintptr_t) V % 16 == 0;
   const float scale = a.scaling * LOG2E;   /* scores in log2 units: exp2 below */
   /* the two query rows (tokens of this step) whose fragments this thread holds */
   const int row[2] = { t0 + warp * 16 + g, t0 + warp * 16 + g + 8 };
@@ -118,11 +125,25 @@ flash_attention_kernel (MoeCudaAttention a)
   float o[DV / 8][4] = {};
   float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
 
-  for (int j0 = kbeg; j0 < kend; j0 += BK)
+  if (kbeg < kend)
     {
-      __syncthreads ();
-      load_tile<T, DK> (ks, K, j0, min (BK, kend - j0), a.dk);
-      load_tile<T, DV> (vs, V, j0, min (BK, kend - j0), a.dv);
+      fetch_tile<T, DK> (ks, K, kbeg, min (BK, kend - kbeg), a.dk, async);
+      fetch_tile<T, DV> (vs, V, kbeg, min (BK, kend - kbeg), a.dv, async);
+      asm volatile ("cp.async.commit_group;\n");
+    }
+  for (int j0 = kbeg, stage = 0; j0 < kend; j0 += BK, stage ^= 1)
+    {
+      const T *kt = ks + stage * BK * SK, *vt = vs + stage * BK * SV;
+
+      if (j0 + BK < kend)
+        {
+          fetch_tile<T, DK> (ks + (stage ^ 1) * BK * SK, K, j0 + BK, min (BK, kend - j0 - BK), a.dk, async);
+          fetch_tile<T, DV> (vs + (stage ^ 1) * BK * SV, V, j0 + BK, min (BK, kend - j0 - BK), a.dv, async);
+          asm volatile ("cp.async.commit_group;\n");
+          asm volatile ("cp.async.wait_group 1;\n");
+        }
+      else
+        asm volatile ("cp.async.wait_group 0;\n");
       __syncthreads ();
 
       /* s = q · kᵀ for this warp's 16 queries × the tile's 64 keys */
@@ -132,12 +153,16 @@ flash_attention_kernel (MoeCudaAttention a)
 #pragma unroll
         for (int n = 0; n < BK / 8; n++)
           {
-            const T *kr = ks + (n * 8 + g) * SK + kk * 16 + 2 * c;
+            const T *kr = kt + (n * 8 + g) * SK + kk * 16 + 2 * c;
             unsigned kb[2] = { *(const unsigned *) kr, *(const unsigned *) (kr + 8) };
             mma16816<T> (s[n], qf[kk], kb);
           }
 
-      /* mask, scale, and the running row maxima (a row's 4 threads agree) */
+      /* scale; mask where some key may not be attended to (the causal
+       * diagonal, the tile's end, padding, a window); row maxima (a row's
+       * 4 threads agree) */
+      const bool mask = valid != nullptr || a.window > 0 || j0 + BK > kend ||
+                        j0 + BK - 1 > past + t0 + warp * 16;
       float mx[2] = { m[0], m[1] };
 #pragma unroll
       for (int n = 0; n < BK / 8; n++)
@@ -145,8 +170,8 @@ flash_attention_kernel (MoeCudaAttention a)
         for (int e = 0; e < 4; e++)
           {
             int j = j0 + n * 8 + 2 * c + (e & 1), qpos = past + row[e >> 1];
-            bool ok = j < kend && j <= qpos && (valid == nullptr || valid[j]) &&
-                      (a.window == 0 || qpos - j < a.window);
+            bool ok = !mask || (j < kend && j <= qpos && (valid == nullptr || valid[j]) &&
+                                (a.window == 0 || qpos - j < a.window));
             s[n][e] = ok ? s[n][e] * scale : -INFINITY;
             mx[e >> 1] = fmaxf (mx[e >> 1], s[n][e]);
           }
@@ -157,7 +182,7 @@ flash_attention_kernel (MoeCudaAttention a)
           mx[r] = fmaxf (mx[r], __shfl_xor_sync (0xffffffffu, mx[r], 1));
           mx[r] = fmaxf (mx[r], __shfl_xor_sync (0xffffffffu, mx[r], 2));
           base[r] = mx[r] == -INFINITY ? 0.0f : mx[r];   /* all masked so far: nothing to rescale */
-          alpha[r] = exp2f (m[r] - base[r]);
+          alpha[r] = exp2_fast (m[r] - base[r]);
           m[r] = mx[r];
         }
 #pragma unroll
@@ -165,7 +190,7 @@ flash_attention_kernel (MoeCudaAttention a)
 #pragma unroll
         for (int e = 0; e < 4; e++)
           {
-            s[n][e] = exp2f (s[n][e] - base[e >> 1]);
+            s[n][e] = exp2_fast (s[n][e] - base[e >> 1]);
             sum[e >> 1] += s[n][e];
           }
 #pragma unroll
@@ -177,24 +202,33 @@ flash_attention_kernel (MoeCudaAttention a)
         for (int e = 0; e < 4; e++)
           o[n][e] *= alpha[e >> 1];
 
-      /* o += p · v: the score fragments of two key octets are the A operand */
+      /* o += p · v, p as hi + lo: the score fragments of two key octets are
+       * the A operands */
 #pragma unroll
       for (int kk = 0; kk < BK / 16; kk++)
         {
-          unsigned pa[4] = {
-            pack2<T> (s[2 * kk][0], s[2 * kk][1]), pack2<T> (s[2 * kk][2], s[2 * kk][3]),
-            pack2<T> (s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T> (s[2 * kk + 1][2], s[2 * kk + 1][3]),
-          };
+          unsigned hi[4], lo[4];
+#pragma unroll
+          for (int q = 0; q < 4; q++)
+            {
+              const float *p = s[2 * kk + q / 2] + (q % 2) * 2;
+              float h0 = rnd<T> (p[0]), h1 = rnd<T> (p[1]);
+              hi[q] = pack2<T> (h0, h1);
+              lo[q] = pack2<T> (p[0] - h0, p[1] - h1);
+            }
 #pragma unroll
           for (int np = 0; np < DV / 16; np++)
             {
               unsigned vb[4];
-              ldmatrix_x4 (vb, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SV + np * 16 + (lane >> 4) * 8,
+              ldmatrix_x4 (vb, vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SV + np * 16 + (lane >> 4) * 8,
                            true);
-              mma16816<T> (o[2 * np], pa, vb);
-              mma16816<T> (o[2 * np + 1], pa, vb + 2);
+              mma16816<T> (o[2 * np], hi, vb);
+              mma16816<T> (o[2 * np + 1], hi, vb + 2);
+              mma16816<T> (o[2 * np], lo, vb);
+              mma16816<T> (o[2 * np + 1], lo, vb + 2);
             }
         }
+      __syncthreads ();   /* this stage is refilled next iteration but one */
     }
 
   float inv[2];
@@ -206,8 +240,8 @@ flash_attention_kernel (MoeCudaAttention a)
       if (a.sinks != nullptr)
         {
           /* gpt-oss: one more logit per head in the denominator only */
-          float sink = a.sinks[h] * LOG2E, top = fmaxf (m[r], sink), f = exp2f (m[r] - top);
-          l[r] = l[r] * f + exp2f (sink - top);
+          float sink = a.sinks[h] * LOG2E, top = fmaxf (m[r], sink), f = exp2_fast (m[r] - top);
+          l[r] = l[r] * f + exp2_fast (sink - top);
 #pragma unroll
           for (int n = 0; n < DV / 8; n++)
             {
@@ -232,8 +266,16 @@ template <typename T, int DK, int DV>
 void
 launch (const MoeCudaAttention *a, cudaStream_t s)
 {
+  constexpr int smem = 2 * BK * (DK + 8 + DV + 8) * (int) sizeof (T);
   dim3 grid ((a->n_tokens + BQ - 1) / BQ, a->heads, a->batch);
-  flash_attention_kernel<T, DK, DV><<<grid, 128, 0, s>>> (*a);
+  static bool opted_in;   /* once per instantiation: more than 48 KiB of shared memory */
+
+  if (!opted_in)
+    {
+      cudaFuncSetAttribute (flash_attention_kernel<T, DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      opted_in = true;
+    }
+  flash_attention_kernel<T, DK, DV><<<grid, 128, smem, s>>> (*a);
 }
 
 template <typename T>

@@ -409,14 +409,6 @@ struct TcTile {
   static_assert (NI % 2 == 0, "B fragments load two n8 tiles at a time");
 };
 
-__device__ __forceinline__ void
-cp_async16 (void *smem, const void *gmem, bool valid)
-{
-  unsigned s = (unsigned) __cvta_generic_to_shared (smem);
-  int n = valid ? 16 : 0;
-  asm volatile ("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(n));
-}
-
 /* 16 bytes of a row whose start is only 8-byte aligned: two 8-byte copies,
  * each all there or zero-filled (K a multiple of 8 bytes). */
 __device__ __forceinline__ void

@@ -1049,6 +1049,7 @@ moe_cuda_decoder_forward (MoeDevice  *device,
   g_auto(Trace) tr = { 0, };
   Step s = { st, NULL, kv->length, rows, NULL, NULL, 0, NULL, &tr };
   GError *local = NULL;
+  gsize n_valid;
 
   if (kv->device_cache == NULL)
     {
@@ -1091,8 +1092,10 @@ moe_cuda_decoder_forward (MoeDevice  *device,
   positions = ids ? upload (d, MOE_DTYPE_I64, st->positions, rows, error) : NULL;
   if (positions == NULL)
     return FALSE;
-  if (st->key_valid != NULL &&
-      (key_valid = upload (d, MOE_DTYPE_U8, st->key_valid, (gint64) st->batch * (s.past + st->n_tokens), error)) == NULL)
+  /* a mask with nothing masked is no mask: the kernels skip reading it */
+  n_valid = (gsize) st->batch * (s.past + st->n_tokens);
+  if (st->key_valid != NULL && memchr (st->key_valid, 0, n_valid) != NULL &&
+      (key_valid = upload (d, MOE_DTYPE_U8, st->key_valid, (gint64) n_valid, error)) == NULL)
     return FALSE;
   s.positions = positions;
   s.key_valid = key_valid;
