@@ -135,17 +135,20 @@ clamp_kernel (T *x, size_t n, float limit)
     x[i] = from_f<T> (fminf (fmaxf (to_f (x[i]), -limit), limit));
 }
 
-/* A block per (row, head): at batch 1 that is many small blocks, each
- * one round of loads, where one block per row would wait on a dozen. */
+/* A thread per rotated pair, blocks of (pairs, heads): at batch 1 that is
+ * many small blocks, each one round of loads, where one block a row would
+ * wait on a dozen. */
 template <typename T>
 __global__ void
-rope_kernel (T *x, int row_stride, int head_stride, const int64_t *positions, const float *inv_freq, int rope_dim,
-             float scale)
+rope_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *positions, const float *inv_freq,
+             int rope_dim, float scale)
 {
-  int half = rope_dim / 2;
+  int half = rope_dim / 2, h = blockIdx.y * blockDim.y + threadIdx.y;
   float pos = (float) positions[blockIdx.x];
-  T *v = x + blockIdx.x * (size_t) row_stride + (size_t) blockIdx.y * head_stride;
+  T *v = x + blockIdx.x * (size_t) row_stride + (size_t) h * head_stride;
 
+  if (h >= heads)
+    return;
   for (int i = threadIdx.x; i < half; i += blockDim.x)
     {
       float angle = inv_freq[i] * pos;
@@ -209,7 +212,9 @@ store_kv_kernel (int n_tokens, int kv_heads,
 }
 
 /* One block per (query row, head): the scores of every key in shared
- * memory, a warp per key; then the softmax; then a thread per output dim. */
+ * memory, a thread per key (a key's row read as 16-byte loads all in
+ * flight: one round of loads for a decode step's keys); then the softmax;
+ * then a thread per output dim. */
 template <typename T>
 __global__ void
 attention_kernel (MoeCudaAttention a)
@@ -221,34 +226,45 @@ attention_kernel (MoeCudaAttention a)
   int len = past + a.n_tokens, qpos = past + t;
   size_t kv_stride = a.key_valid_stride > 0 ? a.key_valid_stride : len;
   int g = h / (a.heads / a.kv_heads);
-  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
   const T *q = (const T *) a.q + (size_t) row * a.q_row_stride + (size_t) h * a.dk;
   const T *K = (const T *) a.k_cache + (size_t) (b * a.kv_heads + g) * a.capacity * a.dk;
   const T *V = (const T *) a.v_cache + (size_t) (b * a.kv_heads + g) * a.capacity * a.dv;
   T *out = (T *) a.out + ((size_t) row * a.heads + h) * a.dv;
+  constexpr int VE = 16 / sizeof (T);
+  bool vec = a.dk % VE == 0 && (uintptr_t) K % 16 == 0;
   float mx = -INFINITY, sum = 0;
 
   for (int d = threadIdx.x; d < a.dk; d += blockDim.x)
     qs[d] = to_f (q[d]);
   __syncthreads ();
 
-  for (int j = warp; j < len; j += nw)
+  for (int j = threadIdx.x; j < len; j += blockDim.x)
     {
       bool ok = j <= qpos && (a.key_valid == nullptr || a.key_valid[b * kv_stride + j]) &&
                 (a.window == 0 || qpos - j < a.window);
       float s = -INFINITY;
       if (ok)
         {
+          const T *kr = K + (size_t) j * a.dk;
           float acc = 0;
-#pragma unroll 4
-          for (int d = lane; d < a.dk; d += 32)
-            acc += qs[d] * to_f (K[(size_t) j * a.dk + d]);
-          s = warp_sum (acc) * a.scaling;
+          if (vec)
+#pragma unroll 16
+            for (int d = 0; d < a.dk; d += VE)
+              {
+                uint4 kv = __ldg ((const uint4 *) (kr + d));
+                const T *ke = (const T *) &kv;
+#pragma unroll
+                for (int e = 0; e < VE; e++)
+                  acc += qs[d + e] * to_f (ke[e]);
+              }
+          else
+            for (int d = 0; d < a.dk; d++)
+              acc += qs[d] * to_f (kr[d]);
+          s = acc * a.scaling;
           if (a.eager)
             s = rnd<T> (s);
         }
-      if (lane == 0)
-        score[j] = s;
+      score[j] = s;
       mx = fmaxf (mx, s);
     }
   mx = block_reduce<true> (mx);
@@ -274,12 +290,13 @@ attention_kernel (MoeCudaAttention a)
   for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
     {
       float acc = 0;
-#pragma unroll 8   /* loads in flight together: a decode step's keys are few */
+      /* no branch on p = 0 (masked keys' values are finite: every cached
+       * row was written), so that the loads go out together */
+#pragma unroll 8
       for (int j = 0; j < len; j++)
         {
           float p = score[j];
-          if (p != 0.0f)
-            acc += (a.eager ? rnd<T> (p / sum) : p) * to_f (V[(size_t) j * a.dv + d]);
+          acc += (a.eager ? rnd<T> (p / sum) : p) * to_f (V[(size_t) j * a.dv + d]);
         }
       out[d] = from_f<T> (a.eager ? acc : acc / sum);
     }
@@ -754,8 +771,12 @@ moe_cuda_rope (int dtype, void *x, int rows, int heads, int row_stride, int head
     DISPATCH (dtype, rope_interleaved_kernel<T><<<rows, 32, 0, s>>> ((T *) x, heads, row_stride, head_stride,
                                                                      positions, inv_freq, rope_dim, scale));
   else
-    DISPATCH (dtype, rope_kernel<T><<<dim3 (rows, heads), rope_dim / 2 < 256 ? rope_dim / 2 : 256, 0, s>>> (
-                       (T *) x, row_stride, head_stride, positions, inv_freq, rope_dim, scale));
+    {
+      int pairs = rope_dim / 2 < 256 ? rope_dim / 2 : 256, per_block = 256 / pairs < heads ? 256 / pairs : heads;
+      dim3 grid (rows, (heads + per_block - 1) / per_block), block (pairs, per_block);
+      DISPATCH (dtype, rope_kernel<T><<<grid, block, 0, s>>> ((T *) x, heads, row_stride, head_stride, positions,
+                                                              inv_freq, rope_dim, scale));
+    }
 }
 
 extern "C" void

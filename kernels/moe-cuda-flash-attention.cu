@@ -151,11 +151,14 @@ flash_attention_kernel (MoeCudaAttention a)
 #pragma unroll
       for (int kk = 0; kk < DK / 16; kk++)
 #pragma unroll
-        for (int n = 0; n < BK / 8; n++)
+        for (int n = 0; n < BK / 8; n += 2)
           {
-            const T *kr = kt + (n * 8 + g) * SK + kk * 16 + 2 * c;
-            unsigned kb[2] = { *(const unsigned *) kr, *(const unsigned *) (kr + 8) };
+            /* key octets n and n+1, dims kk·16…+15: four 8×8 matrices */
+            unsigned kb[4];
+            ldmatrix_x4 (kb, kt + (n * 8 + (lane & 7) + (lane >> 4) * 8) * SK + kk * 16 + ((lane >> 3) & 1) * 8,
+                         false);
             mma16816<T> (s[n], qf[kk], kb);
+            mma16816<T> (s[n + 1], qf[kk], kb + 2);
           }
 
       /* scale; mask where some key may not be attended to (the causal
