@@ -96,8 +96,10 @@ flash_attention_kernel (MoeCudaAttention a)
   extern __shared__ __align__ (16) unsigned char smem[];
   T *ks = (T *) smem, *vs = ks + 2 * BK * SK;   /* two stages each: the next tile loads during this one */
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int b = blockIdx.z, h = blockIdx.y;
-  const int t0 = (gridDim.x - 1 - blockIdx.x) * BQ;   /* the longest rows start first */
+  /* query tiles are the grid's slowest dimension, the last (longest: they
+   * see the most keys) first, so the short ones fill the tail */
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int t0 = (gridDim.z - 1 - blockIdx.z) * BQ;
   const int past = a.past_dev != nullptr ? *a.past_dev : a.past;
   const size_t valid_stride = a.key_valid_stride > 0 ? a.key_valid_stride : past + a.n_tokens;
   const uint8_t *valid = a.key_valid != nullptr ? a.key_valid + b * valid_stride : nullptr;
@@ -270,7 +272,7 @@ void
 launch (const MoeCudaAttention *a, cudaStream_t s)
 {
   constexpr int smem = 2 * BK * (DK + 8 + DV + 8) * (int) sizeof (T);
-  dim3 grid ((a->n_tokens + BQ - 1) / BQ, a->heads, a->batch);
+  dim3 grid (a->heads, a->batch, (a->n_tokens + BQ - 1) / BQ);
   static bool opted_in;   /* once per instantiation: more than 48 KiB of shared memory */
 
   if (!opted_in)
