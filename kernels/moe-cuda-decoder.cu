@@ -683,8 +683,20 @@ to_f32_kernel (const T *x, size_t n, float *y)
     y[i] = to_f (x[i]);
 }
 
+/* (v, i) becomes the better of itself and its partner @o lanes away:
+ * the larger value, the smaller index between equals */
+__device__ __forceinline__ void
+argmax_step (float &v, int &i, int o)
+{
+  float v2 = __shfl_xor_sync (0xffffffffu, v, o);
+  int i2 = __shfl_xor_sync (0xffffffffu, i, o);
+  if (v2 > v || (v2 == v && i2 < i))
+    v = v2, i = i2;
+}
+
 /* Each row's first index of its largest value (_moe_greedy_token's rule):
- * a block per row, then the block's (value, index) pairs reduced. */
+ * a block per row, 16-byte loads eight in flight, then the block's
+ * (value, index) pairs reduced. */
 __global__ void __launch_bounds__ (1024)
 argmax_kernel (const float *x, int n, int64_t *out)
 {
@@ -693,21 +705,23 @@ argmax_kernel (const float *x, int n, int64_t *out)
   const float *row = x + (size_t) blockIdx.x * n;
   float v = -INFINITY;
   int i = INT_MAX, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  auto see = [&] (float x, int j) {
+    if (x > v || (x == v && j < i))
+      v = x, i = j;
+  };
 
-  for (int j = threadIdx.x; j < n; j += blockDim.x)
-    if (row[j] > v)   /* j only grows: the first of equals stays */
+  if (n % 4 == 0 && (uintptr_t) row % 16 == 0)
+#pragma unroll 8
+    for (int j = threadIdx.x * 4; j < n; j += blockDim.x * 4)
       {
-        v = row[j];
-        i = j;
+        float4 q = __ldg ((const float4 *) (row + j));
+        see (q.x, j), see (q.y, j + 1), see (q.z, j + 2), see (q.w, j + 3);
       }
-  auto better = [] (float v2, int i2, float v1, int i1) { return v2 > v1 || (v2 == v1 && i2 < i1); };
+  else
+    for (int j = threadIdx.x; j < n; j += blockDim.x)
+      see (row[j], j);
   for (int o = 16; o > 0; o >>= 1)
-    {
-      float v2 = __shfl_xor_sync (0xffffffffu, v, o);
-      int i2 = __shfl_xor_sync (0xffffffffu, i, o);
-      if (better (v2, i2, v, i))
-        v = v2, i = i2;
-    }
+    argmax_step (v, i, o);
   if (lane == 0)
     best_v[warp] = v, best_i[warp] = i;
   __syncthreads ();
@@ -716,12 +730,7 @@ argmax_kernel (const float *x, int n, int64_t *out)
       v = lane < (int) blockDim.x / 32 ? best_v[lane] : -INFINITY;
       i = lane < (int) blockDim.x / 32 ? best_i[lane] : INT_MAX;
       for (int o = 16; o > 0; o >>= 1)
-        {
-          float v2 = __shfl_xor_sync (0xffffffffu, v, o);
-          int i2 = __shfl_xor_sync (0xffffffffu, i, o);
-          if (better (v2, i2, v, i))
-            v = v2, i = i2;
-        }
+        argmax_step (v, i, o);
       if (lane == 0)
         out[blockIdx.x] = i == INT_MAX ? 0 : i;   /* all -inf (or NaN): the first, as on the host */
     }
