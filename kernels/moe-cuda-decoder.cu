@@ -435,13 +435,15 @@ template <typename T>
 __global__ void
 route_kernel (MoeCudaRouter r)
 {
-  extern __shared__ float sm[];
+  extern __shared__ int64_t route_sm[];
   int E = r.num_experts, K = r.top_k;
-  float *logits = sm, *choice = logits + E, *sig = choice + E;
+  /* the choice and its weights built in shared memory, written out at the
+   * end: reading them back from global memory cost a round trip each */
+  int64_t *ids = route_sm;
+  float *w = (float *) (ids + K);
+  float *logits = w + K, *choice = logits + E, *sig = choice + E;
   unsigned char *taken = (unsigned char *) (sig + E);
   int lane = threadIdx.x % 32;
-  int64_t *ids = r.ids + blockIdx.x * (size_t) K;
-  float *w = r.weights + blockIdx.x * (size_t) K;
 
   for (int e = lane; e < E; e += 32)
     {
@@ -550,6 +552,12 @@ route_kernel (MoeCudaRouter r)
           for (int k = 0; k < K; k++)
             w[k] = rnd<T> (w[k] / sum);
         }
+    }
+  __syncwarp ();
+  for (int k = lane; k < K; k += 32)
+    {
+      r.ids[blockIdx.x * (size_t) K + k] = ids[k];
+      r.weights[blockIdx.x * (size_t) K + k] = w[k];
     }
 }
 
@@ -839,8 +847,10 @@ moe_cuda_attention_softmax (const MoeCudaSoftmax *a, cudaStream_t s)
 extern "C" void
 moe_cuda_route (const MoeCudaRouter *r, cudaStream_t s)
 {
-  /* logits, choice, sig (float), taken (bytes, padded), group scores */
-  size_t smem = (size_t) 3 * r->num_experts * sizeof (float) + ((r->num_experts + 15) / 16) * 16 +
+  /* ids (int64), weights, logits, choice, sig (float), taken (bytes,
+   * padded), group scores */
+  size_t smem = (size_t) r->top_k * (sizeof (int64_t) + sizeof (float)) +
+                (size_t) 3 * r->num_experts * sizeof (float) + ((r->num_experts + 15) / 16) * 16 +
                 (size_t) (r->n_group > 0 ? r->n_group : 1) * sizeof (float);
   DISPATCH (r->dtype,
             if (smem > 48 * 1024)
