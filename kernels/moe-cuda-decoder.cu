@@ -135,27 +135,42 @@ clamp_kernel (T *x, size_t n, float limit)
     x[i] = from_f<T> (fminf (fmaxf (to_f (x[i]), -limit), limit));
 }
 
-/* A thread per rotated pair, blocks of (pairs, heads): at batch 1 that is
- * many small blocks, each one round of loads, where one block a row would
- * wait on a dozen. */
+/* A block per row, a thread per rotated pair: its cos and sin once (the
+ * accurate ones are the costly part), applied to every head with the
+ * heads' loads in flight together. */
 template <typename T>
 __global__ void
 rope_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *positions, const float *inv_freq,
              int rope_dim, float scale)
 {
-  int half = rope_dim / 2, h = blockIdx.y * blockDim.y + threadIdx.y;
+  int half = rope_dim / 2;
   float pos = (float) positions[blockIdx.x];
-  T *v = x + blockIdx.x * (size_t) row_stride + (size_t) h * head_stride;
+  T *row = x + blockIdx.x * (size_t) row_stride;
 
-  if (h >= heads)
-    return;
   for (int i = threadIdx.x; i < half; i += blockDim.x)
     {
       float angle = inv_freq[i] * pos;
       float c = rnd<T> (cosf (angle) * scale), s = rnd<T> (sinf (angle) * scale);
-      float x1 = to_f (v[i]), x2 = to_f (v[i + half]);
-      v[i] = from_f<T> (x1 * c - x2 * s);
-      v[i + half] = from_f<T> (x2 * c + x1 * s);
+      /* eight heads' loads, then their stores (which the compiler may
+       * not move loads past) */
+      for (int h0 = 0; h0 < heads; h0 += 8)
+        {
+          float x1[8], x2[8];
+#pragma unroll
+          for (int u = 0; u < 8; u++)
+            if (h0 + u < heads)
+              {
+                x1[u] = to_f (row[(size_t) (h0 + u) * head_stride + i]);
+                x2[u] = to_f (row[(size_t) (h0 + u) * head_stride + i + half]);
+              }
+#pragma unroll
+          for (int u = 0; u < 8; u++)
+            if (h0 + u < heads)
+              {
+                row[(size_t) (h0 + u) * head_stride + i] = from_f<T> (x1[u] * c - x2[u] * s);
+                row[(size_t) (h0 + u) * head_stride + i + half] = from_f<T> (x2[u] * c + x1[u] * s);
+              }
+        }
     }
 }
 
@@ -788,12 +803,8 @@ moe_cuda_rope (int dtype, void *x, int rows, int heads, int row_stride, int head
     DISPATCH (dtype, rope_interleaved_kernel<T><<<rows, 32, 0, s>>> ((T *) x, heads, row_stride, head_stride,
                                                                      positions, inv_freq, rope_dim, scale));
   else
-    {
-      int pairs = rope_dim / 2 < 256 ? rope_dim / 2 : 256, per_block = 256 / pairs < heads ? 256 / pairs : heads;
-      dim3 grid (rows, (heads + per_block - 1) / per_block), block (pairs, per_block);
-      DISPATCH (dtype, rope_kernel<T><<<grid, block, 0, s>>> ((T *) x, heads, row_stride, head_stride, positions,
-                                                              inv_freq, rope_dim, scale));
-    }
+    DISPATCH (dtype, rope_kernel<T><<<rows, rope_dim / 2 < 256 ? rope_dim / 2 : 256, 0, s>>> (
+                       (T *) x, heads, row_stride, head_stride, positions, inv_freq, rope_dim, scale));
 }
 
 extern "C" void
