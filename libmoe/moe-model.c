@@ -1179,7 +1179,7 @@ generate_locked (MoeModel            *self,
   gboolean do_sample;
   g_autofree gint64 *positions = g_new (gint64, (gsize) b->B * b->T);
   g_autofree gint64 *next_pos = g_new (gint64, b->B);
-  g_autofree float *logits = NULL;
+  g_autofree float *logits = g_new (float, (gsize) b->B * V);
   g_autofree gint64 *greedy = NULL;
   g_autofree gboolean *finished = g_new0 (gboolean, b->B);
   g_autoptr(GArray) out = g_array_new (FALSE, FALSE, sizeof (gint64));   /* [steps][B] */
@@ -1194,9 +1194,7 @@ generate_locked (MoeModel            *self,
                 NULL);
   /* greedy: the model picks the tokens where the logits are (a GPU sends
    * back B ids, not B·V floats); sampling reads the logits here */
-  if (do_sample)
-    logits = g_new (float, (gsize) b->B * V);
-  else
+  if (!do_sample)
     greedy = g_new (gint64, b->B);
   eos = moe_generation_config_get_eos_token_ids (config, &n_eos);
   if (pad < 0)

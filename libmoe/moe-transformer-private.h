@@ -121,7 +121,7 @@ typedef struct {
   const gint64 *positions;     /* [B, T] */
   const guint8 *key_valid;     /* [B, past + T] or NULL */
   gboolean      last_only;
-  float        *logits;        /* [B, T, V], or [B, V] when last_only; NULL with @tokens */
+  float        *logits;        /* [B, T, V], or [B, V] when last_only; unwritten with @tokens */
   gint64       *tokens;        /* or NULL; with last_only: [B], each row's greedy token (the
                                 * first index of its largest logit), the logits left on the device */
 } MoeDecoderStep;
@@ -160,8 +160,9 @@ guint           _moe_kv_cache_get_length      (MoeKvCache     *cache);
  * [B, past + T] (which cached and new positions may be attended to; NULL:
  * all). Writes logits [B, T, V] into @logits, or only the last position's
  * [B, V] when @last_only; or, with @last_only and @tokens set, only each
- * sequence's greedy next token (its logits' first argmax) into @tokens,
- * which a device computes where its logits are (@logits may be NULL). */
+ * sequence's greedy next token (its logits' first argmax) into @tokens:
+ * a device computes it where its logits are and leaves @logits unwritten,
+ * the host path computes the logits into @logits first. */
 gboolean        _moe_transformer_forward      (MoeTransformer *self,
                                                MoeKvCache     *cache,
                                                const gint64   *ids,

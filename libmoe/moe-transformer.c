@@ -1500,12 +1500,11 @@ _moe_transformer_forward (MoeTransformer *m,
                           GError        **error)
 {
   gsize rows = (gsize) batch * n_tokens, H = m->hidden;
-  g_autofree float *h = NULL, *x = NULL, *y = NULL, *own_logits = NULL;
+  g_autofree float *h = NULL, *x = NULL, *y = NULL;
   Step st = { batch, n_tokens, cache->length, positions, key_valid };
 
   g_return_val_if_fail (cache->batch == batch, FALSE);
   g_return_val_if_fail (tokens == NULL || last_only, FALSE);
-  g_return_val_if_fail (logits != NULL || tokens != NULL, FALSE);
 
   for (gsize r = 0; r < rows; r++)
     if (ids[r] < 0 || ids[r] >= m->vocab)
@@ -1590,8 +1589,6 @@ _moe_transformer_forward (MoeTransformer *m,
         src = last;
         out_rows = batch;
       }
-    if (logits == NULL)
-      logits = own_logits = g_new (float, out_rows * m->vocab);
     rms_norm (m, src, out_rows, H, H, m->final_norm, x);
     linear (m, &head, x, out_rows, logits);
     if (tokens != NULL)
