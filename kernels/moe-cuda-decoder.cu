@@ -13,6 +13,7 @@
 
 #include <cfloat>
 #include <climits>
+#include <initializer_list>
 
 namespace {
 
@@ -58,6 +59,75 @@ block_reduce (float v)
   v = lane < nw ? part[lane] : (MAX ? -INFINITY : 0.0f);
   return MAX ? warp_max (v) : warp_sum (v);
 }
+
+/* Elementwise kernels move V elements at a time: 16 bytes where the
+ * launcher found every row start and width a multiple of 16 bytes (V =
+ * 16 / sizeof (T)), else one (V = 1). */
+template <typename T, int V>
+__device__ __forceinline__ void
+load_vec (T (&d)[V], const T *p)
+{
+  if constexpr (V * sizeof (T) == 16)
+    {
+      uint4 u = *(const uint4 *) p;
+      memcpy (d, &u, 16);
+    }
+  else
+    for (int i = 0; i < V; i++)
+      d[i] = p[i];
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void
+store_vec (T *p, const T (&d)[V])
+{
+  if constexpr (V * sizeof (T) == 16)
+    {
+      uint4 u;
+      memcpy (&u, d, 16);
+      *(uint4 *) p = u;
+    }
+  else
+    for (int i = 0; i < V; i++)
+      p[i] = d[i];
+}
+
+/* the block's threads copy @n elements */
+template <typename T, int V>
+__device__ __forceinline__ void
+copy_vec (T *dst, const T *src, int n)
+{
+  for (int i = threadIdx.x * V; i < n; i += blockDim.x * V)
+    {
+      T e[V];
+      load_vec<T, V> (e, src + i);
+      store_vec<T, V> (dst + i, e);
+    }
+}
+
+/* Whether 16-byte pieces fit: every value (element counts, strides) a
+ * multiple of 16 bytes' worth and every pointer 16-byte aligned. */
+template <typename T>
+bool
+fits_vec (std::initializer_list<long> counts, std::initializer_list<const void *> ptrs)
+{
+  for (long n : counts)
+    if (n % (long) (16 / sizeof (T)) != 0)
+      return false;
+  for (const void *q : ptrs)
+    if ((uintptr_t) q % 16 != 0)
+      return false;
+  return true;
+}
+
+/* launches kernel<T, V> with V = 16 bytes' worth when @vec, else 1 */
+#define LAUNCH_VEC(vec, kernel, grid, block, stream, ...)                    \
+  do {                                                                       \
+    if (vec)                                                                 \
+      kernel<T, 16 / sizeof (T)><<<grid, block, 0, stream>>> (__VA_ARGS__);  \
+    else                                                                     \
+      kernel<T, 1><<<grid, block, 0, stream>>> (__VA_ARGS__);               \
+  } while (0)
 
 template <typename T>
 __global__ void
@@ -202,7 +272,7 @@ rope_interleaved_kernel (T *x, int heads, int row_stride, int head_stride, const
     }
 }
 
-template <typename T>
+template <typename T, int V>
 __global__ void
 store_kv_kernel (int n_tokens, int kv_heads,
                  const T *k1, int k1_row, int k1_head, int n1,
@@ -216,14 +286,10 @@ store_kv_kernel (int n_tokens, int kv_heads,
   int b = row / n_tokens, t = row % n_tokens;
   size_t slot = ((size_t) b * kv_heads + h) * capacity + past + t;
   T *kd = k_cache + slot * (n1 + n2);
-  T *vd = v_cache + slot * dv;
 
-  for (int i = threadIdx.x; i < n1; i += blockDim.x)
-    kd[i] = k1[(size_t) row * k1_row + (size_t) h * k1_head + i];
-  for (int i = threadIdx.x; i < n2; i += blockDim.x)
-    kd[n1 + i] = k2[(size_t) row * k2_row + (size_t) h * k2_head + i];
-  for (int i = threadIdx.x; i < dv; i += blockDim.x)
-    vd[i] = v[(size_t) row * v_row + (size_t) h * v_head + i];
+  copy_vec<T, V> (kd, k1 + (size_t) row * k1_row + (size_t) h * k1_head, n1);
+  copy_vec<T, V> (kd + n1, k2 + (size_t) row * k2_row + (size_t) h * k2_head, n2);
+  copy_vec<T, V> (v_cache + slot * dv, v + (size_t) row * v_row + (size_t) h * v_head, dv);
 }
 
 /* One block per (query row, head): the scores of every key in shared
@@ -665,16 +731,24 @@ gemv_kernel (MoeCudaGemv a)
     }
 }
 
-template <typename T>
+template <typename T, int V>
 __global__ void
 act_mul_kernel (T *gu, int width, int row_stride, int act)
 {
   T *g = gu + blockIdx.x * (size_t) row_stride, *u = g + width;
-  for (int i = threadIdx.x; i < width; i += blockDim.x)
-    g[i] = from_f<T> (rnd<T> (activate (act, to_f (g[i]))) * to_f (u[i]));
+  for (int i = threadIdx.x * V; i < width; i += blockDim.x * V)
+    {
+      T ge[V], ue[V];
+      load_vec<T, V> (ge, g + i);
+      load_vec<T, V> (ue, u + i);
+#pragma unroll
+      for (int j = 0; j < V; j++)
+        ge[j] = from_f<T> (rnd<T> (activate (act, to_f (ge[j]))) * to_f (ue[j]));
+      store_vec<T, V> (g + i, ge);
+    }
 }
 
-template <typename T>
+template <typename T, int V>
 __global__ void
 add_gated_kernel (T *y, const T *s, const T *gate, int width)
 {
@@ -682,20 +756,28 @@ add_gated_kernel (T *y, const T *s, const T *gate, int width)
   const T *sr = s + blockIdx.x * (size_t) width;
   float g = gate != nullptr ? rnd<T> (1.0f / (1.0f + expf (-to_f (gate[blockIdx.x])))) : 1.0f;
 
-  for (int i = threadIdx.x; i < width; i += blockDim.x)
+  for (int i = threadIdx.x * V; i < width; i += blockDim.x * V)
     {
-      float v = gate != nullptr ? rnd<T> (g * to_f (sr[i])) : to_f (sr[i]);
-      yr[i] = from_f<T> (to_f (yr[i]) + v);
+      T ye[V], se[V];
+      load_vec<T, V> (ye, yr + i);
+      load_vec<T, V> (se, sr + i);
+#pragma unroll
+      for (int j = 0; j < V; j++)
+        {
+          float v = gate != nullptr ? rnd<T> (g * to_f (se[j])) : to_f (se[j]);
+          ye[j] = from_f<T> (to_f (ye[j]) + v);
+        }
+      store_vec<T, V> (yr + i, ye);
     }
 }
 
-template <typename T>
+/* every row of y = bias: what the projection's GEMM then adds its products
+ * to (beta = 1), in float32 before its one rounding */
+template <typename T, int V>
 __global__ void
-bias_round_kernel (const float *acc, const T *bias, int width, T *y)
+bias_rows_kernel (const T *bias, int width, T *y)
 {
-  size_t r = blockIdx.x * (size_t) width;
-  for (int i = threadIdx.x; i < width; i += blockDim.x)
-    y[r + i] = from_f<T> (acc[r + i] + to_f (bias[i]));
+  copy_vec<T, V> (y + blockIdx.x * (size_t) width, bias, width);
 }
 
 template <typename T>
@@ -815,10 +897,13 @@ moe_cuda_store_kv (int dtype, int batch, int n_tokens, int kv_heads,
                    void *k_cache, void *v_cache, int capacity, int past, const int *past_dev, cudaStream_t s)
 {
   dim3 grid (batch * n_tokens, kv_heads);
-  DISPATCH (dtype, store_kv_kernel<T><<<grid, 128, 0, s>>> (n_tokens, kv_heads, (const T *) k1, k1_row, k1_head, n1,
-                                                            (const T *) k2, k2_row, k2_head, n2,
-                                                            (const T *) v, v_row, v_head, dv,
-                                                            (T *) k_cache, (T *) v_cache, capacity, past, past_dev));
+  DISPATCH (dtype,
+            bool vec = fits_vec<T> ({ k1_row, k1_head, n1, k2_row, k2_head, n2, v_row, v_head, dv },
+                                    { k1, n2 > 0 ? k2 : nullptr, v, k_cache, v_cache });
+            LAUNCH_VEC (vec, store_kv_kernel, grid, 128, s,
+                        n_tokens, kv_heads, (const T *) k1, k1_row, k1_head, n1,
+                        (const T *) k2, k2_row, k2_head, n2, (const T *) v, v_row, v_head, dv,
+                        (T *) k_cache, (T *) v_cache, capacity, past, past_dev));
 }
 
 extern "C" const char *
@@ -902,19 +987,22 @@ moe_cuda_gemv (const MoeCudaGemv *a, cudaStream_t s)
 extern "C" void
 moe_cuda_act_mul (int dtype, void *gu, int rows, int width, int row_stride, int activation, cudaStream_t s)
 {
-  DISPATCH (dtype, act_mul_kernel<T><<<rows, 256, 0, s>>> ((T *) gu, width, row_stride, activation));
+  DISPATCH (dtype, LAUNCH_VEC (fits_vec<T> ({ width, row_stride }, { gu }), act_mul_kernel,
+                               rows, 256, s, (T *) gu, width, row_stride, activation));
 }
 
 extern "C" void
 moe_cuda_add_gated (int dtype, void *y, const void *sh, const void *gate, int rows, int width, cudaStream_t s)
 {
-  DISPATCH (dtype, add_gated_kernel<T><<<rows, 256, 0, s>>> ((T *) y, (const T *) sh, (const T *) gate, width));
+  DISPATCH (dtype, LAUNCH_VEC (fits_vec<T> ({ width }, { y, sh }), add_gated_kernel, rows, 256, s,
+                               (T *) y, (const T *) sh, (const T *) gate, width));
 }
 
 extern "C" void
-moe_cuda_bias_round (int dtype, const float *acc, const void *bias, int rows, int width, void *y, cudaStream_t s)
+moe_cuda_bias_rows (int dtype, const void *bias, int rows, int width, void *y, cudaStream_t s)
 {
-  DISPATCH (dtype, bias_round_kernel<T><<<rows, 256, 0, s>>> (acc, (const T *) bias, width, (T *) y));
+  DISPATCH (dtype, LAUNCH_VEC (fits_vec<T> ({ width }, { bias, y }), bias_rows_kernel,
+                               rows, 256, s, (const T *) bias, width, (T *) y));
 }
 
 extern "C" void

@@ -138,9 +138,9 @@ void moe_cuda_act_mul        (int dtype, void *gu, int rows, int width, int row_
 void moe_cuda_add_gated      (int dtype, void *y, const void *s, const void *gate, int rows, int width,
                               cudaStream_t stream);
 
-/* y = (acc + bias) rounded to dtype, over rows of @width */
-void moe_cuda_bias_round     (int dtype, const float *acc, const void *bias, int rows, int width, void *y,
-                              cudaStream_t stream);
+/* every one of @rows rows of y (@width wide) = bias: a projection's GEMM
+ * with beta = 1 then adds its products in float32 before its one rounding */
+void moe_cuda_bias_rows      (int dtype, const void *bias, int rows, int width, void *y, cudaStream_t stream);
 
 /* y [rows, out] = x [rows, in] (rows @ldx apart) · wᵀ (+ bias) for a few
  * rows (≤ MOE_CUDA_GEMV_ROWS): a warp per output, weights read once, at

@@ -946,6 +946,10 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   asm volatile ("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int cw = wg - 1, ctid = threadIdx.x - 128;
   const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
+  /* A warpgroup whose 64 rows all lie past the expert's last one (the tail
+   * tile of an expert with 129…192 rows) issues no products: the other one
+   * then has the tensor cores to itself, so such a tile costs about half. */
+  const bool idle = cw * 64 >= t.rows;
   float d[BN / 2];
   float part[FP8 ? 64 : 1];
 #pragma unroll
@@ -956,6 +960,13 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
     {
       const int s = kt % STAGES;
       mbar_wait (&full[s], (kt / STAGES) & 1);
+      if (idle)
+        {
+          /* in step with the ring all the same: the producer counts on
+           * both warpgroups handing each stage back */
+          mbar_arrive (&empty[s]);
+          continue;
+        }
       unsigned char *sa = stage_a (s) + cw * 64 * WG_ROW_BYTES;
       unsigned char *sb = stage_b (s);
       asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");

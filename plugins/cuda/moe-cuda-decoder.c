@@ -407,16 +407,17 @@ cuda_type (int dtype)
 
 /* y [rows, out] = x [rows, in] (rows @ldx elements apart) · Wᵀ (+ bias),
  * as torch's linear: float32 accumulation, the bias added before the one
- * rounding to the model dtype; @f32: y stays float32, unrounded. A few
- * rows (decode) run as GEMVs, more on cuBLAS. */
+ * rounding to the model dtype (y starts as the bias and the GEMM adds to
+ * it, beta = 1); @f32: y stays float32, unrounded, and there is no bias
+ * (the router's). A few rows (decode) run as GEMVs, more on cuBLAS. */
 static MoeTensor *
 project (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32, GError **error)
 {
   g_autoptr(MoeTensor) y = f32 ? new_f32 (d, rows, lin->out, error) : new_act (d, rows, lin->out, error);
-  g_autoptr(MoeTensor) acc = NULL;
   const float one = 1.0f, zero = 0.0f;
   cublasStatus_t st;
 
+  g_assert (!f32 || lin->bias == NULL);
   if (y == NULL)
     return NULL;
   if (rows <= d->gemv_rows)
@@ -428,13 +429,13 @@ project (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboo
       moe_cuda_gemv (&g, d->dev->stream);
       return g_steal_pointer (&y);
     }
-  if (lin->bias != NULL && !f32 && (acc = new_f32 (d, rows, lin->out, error)) == NULL)
-    return NULL;
+  if (lin->bias != NULL)
+    moe_cuda_bias_rows (d->dtype, DATA (lin->bias), rows, lin->out, DATA (y), d->dev->stream);
   g_mutex_lock (&d->dev->lock);
   st = cublasGemmEx (d->dev->cublas, CUBLAS_OP_T, CUBLAS_OP_N, lin->out, rows, lin->in, &one,
                      DATA (lin->weight), cuda_type (d->dtype), lin->in,
-                     DATA (x), cuda_type (d->dtype), ldx, &zero,
-                     acc ? DATA (acc) : DATA (y), acc || f32 ? CUDA_R_32F : cuda_type (d->dtype), lin->out,
+                     DATA (x), cuda_type (d->dtype), ldx, lin->bias != NULL ? &one : &zero,
+                     DATA (y), f32 ? CUDA_R_32F : cuda_type (d->dtype), lin->out,
                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   g_mutex_unlock (&d->dev->lock);
   if (st != CUBLAS_STATUS_SUCCESS)
@@ -443,8 +444,6 @@ project (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboo
                    rows, lin->out, lin->in, (int) st);
       return NULL;
     }
-  if (acc != NULL)
-    moe_cuda_bias_round (d->dtype, DATA (acc), DATA (lin->bias), rows, lin->out, DATA (y), d->dev->stream);
   return g_steal_pointer (&y);
 }
 
