@@ -642,21 +642,25 @@ route_kernel (MoeCudaRouter r)
     }
 }
 
-/* acc[r] += w · x[r] for the R rows: a warp, 16-byte loads of the weight
- * row (eight in flight per lane: the memory's speed), the inputs from L1/L2 */
-template <typename T, int R>
+/* A warp's dot products of weight row @w0 (and @w1 when TWO: a gated
+ * projection's up row, read in the same loop so that both rows' loads are
+ * in flight together) with R rows of x (@ldx apart): acc0[r], acc1[r] in
+ * every lane. vec: 16-byte loads, U of them a row in flight. */
+template <typename T, int R, bool TWO>
 __device__ __forceinline__ void
-warp_dot (const T *w, const T *x, int ldx, int in, bool vec, float *acc)
+warp_dot (const T *w0, const T *w1, const T *x, int ldx, int in, bool vec, float *acc0, float *acc1)
 {
-  constexpr int V = 16 / sizeof (T);
+  constexpr int V = 16 / sizeof (T), U = R <= 2 ? 8 : 4;
   int lane = threadIdx.x % 32;
 
   if (vec)
-#pragma unroll 8
+#pragma unroll U
     for (int k = lane * V; k < in; k += 32 * V)
       {
-        uint4 wv = __ldg ((const uint4 *) (w + k));
-        const T *we = (const T *) &wv;
+        uint4 wv0 = __ldg ((const uint4 *) (w0 + k)), wv1;
+        if (TWO)
+          wv1 = __ldg ((const uint4 *) (w1 + k));
+        const T *we0 = (const T *) &wv0, *we1 = (const T *) &wv1;
 #pragma unroll
         for (int r = 0; r < R; r++)
           {
@@ -664,20 +668,32 @@ warp_dot (const T *w, const T *x, int ldx, int in, bool vec, float *acc)
             const T *xe = (const T *) &xv;
 #pragma unroll
             for (int q = 0; q < V; q++)
-              acc[r] += to_f (we[q]) * to_f (xe[q]);
+              {
+                acc0[r] += to_f (we0[q]) * to_f (xe[q]);
+                if (TWO)
+                  acc1[r] += to_f (we1[q]) * to_f (xe[q]);
+              }
           }
       }
   else
     for (int k = lane; k < in; k += 32)
       {
-        float wk = to_f (w[k]);
 #pragma unroll
         for (int r = 0; r < R; r++)
-          acc[r] += wk * to_f (x[(size_t) r * ldx + k]);
+          {
+            float xk = to_f (x[(size_t) r * ldx + k]);
+            acc0[r] += to_f (w0[k]) * xk;
+            if (TWO)
+              acc1[r] += to_f (w1[k]) * xk;
+          }
       }
 #pragma unroll
   for (int r = 0; r < R; r++)
-    acc[r] = warp_sum (acc[r]);
+    {
+      acc0[r] = warp_sum (acc0[r]);
+      if (TWO)
+        acc1[r] = warp_sum (acc1[r]);
+    }
 }
 
 /* A warp per output n of a few rows' projection, with its epilogue:
@@ -698,9 +714,8 @@ gemv_kernel (MoeCudaGemv a)
 
   if (n >= a.out)
     return;
-  warp_dot<T, R> (W + (size_t) n * a.in, x, a.ldx, a.in, vec, acc);
-  if (EPI == GEMV_GATED)
-    warp_dot<T, R> (W + (size_t) (a.out + n) * a.in, x, a.ldx, a.in, vec, up);
+  warp_dot<T, R, EPI == GEMV_GATED> (W + (size_t) n * a.in, W + (size_t) (a.out + n) * a.in, x, a.ldx, a.in, vec,
+                                     acc, up);
   if (lane != 0)
     return;
 #pragma unroll

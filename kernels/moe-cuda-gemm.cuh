@@ -107,24 +107,44 @@ fp4_to_f (unsigned code)
   return (code & 8) ? -v : v;
 }
 
+/* FP8: where the scales of quantized weight row `row` of expert e start
+ * (one per 128-wide K block from there on) */
+template <int MODE>
+__device__ __forceinline__ int
+fp8_scale_row (const MoeCudaExperts &p, int e, int row)
+{
+  const int K = MODE != MODE_GATE_UP ? p.inter : p.hidden;
+  const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+  const int cols = (K + 127) / 128;
+  const int rows = MODE != MODE_GATE_UP ? (nw + 127) / 128 : p.up_scale_rows;
+  const int split = MODE != MODE_GATE_UP ? 0 : p.up_scale_split;
+  const int sr = split == 0 ? row / 128 : (row < split ? row / 128 : (split + 127) / 128 + (row - split) / 128);
+  return (e * rows + sr) * cols;
+}
+
+/* FP8 scale i of the projection's scale tensor, F32 or E8M0 */
+template <int MODE>
+__device__ __forceinline__ float
+fp8_scale_at (const MoeCudaExperts &p, int i)
+{
+  const void *sc = MODE != MODE_GATE_UP ? p.down_scale : p.up_scale;
+  return p.scale_dtype == MOE_CUDA_E8M0 ? e8m0_to_f (((const unsigned char *) sc)[i]) : ((const float *) sc)[i];
+}
+
 /* The scale of quantized weight row `row`, input k, of expert e: FP8 one
  * per 128×128 block, FP4 one per row and 32 inputs. */
 template <int WF, int MODE>
 __device__ __forceinline__ float
 weight_scale (const MoeCudaExperts &p, int e, int row, int k)
 {
-  const int K = MODE != MODE_GATE_UP ? p.inter : p.hidden;
-  const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
-  const void *sc = MODE != MODE_GATE_UP ? p.down_scale : p.up_scale;
-
   if constexpr (WF == MOE_CUDA_WEIGHTS_FP4)
-    return e8m0_to_f (((const unsigned char *) sc)[((size_t) e * nw + row) * (K / 32) + k / 32]);
-  const int cols = (K + 127) / 128;
-  const int rows = MODE != MODE_GATE_UP ? (nw + 127) / 128 : p.up_scale_rows;
-  const int split = MODE != MODE_GATE_UP ? 0 : p.up_scale_split;
-  const int sr = split == 0 ? row / 128 : (row < split ? row / 128 : (split + 127) / 128 + (row - split) / 128);
-  const size_t si = ((size_t) e * rows + sr) * cols + k / 128;
-  return p.scale_dtype == MOE_CUDA_E8M0 ? e8m0_to_f (((const unsigned char *) sc)[si]) : ((const float *) sc)[si];
+    {
+      const int K = MODE != MODE_GATE_UP ? p.inter : p.hidden;
+      const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+      const void *sc = MODE != MODE_GATE_UP ? p.down_scale : p.up_scale;
+      return e8m0_to_f (((const unsigned char *) sc)[((size_t) e * nw + row) * (K / 32) + k / 32]);
+    }
+  return fp8_scale_at<MODE> (p, fp8_scale_row<MODE> (p, e, row) + k / 128);
 }
 
 /* Weight row `row` (an output feature), input k, of expert e, multiplied
@@ -667,7 +687,7 @@ stage_accumulators (float *cs, int ldc, const float *d, int row, int lane)
 }
 
 /* One CTA of the wgmma grouped GEMM. FP8: a_base holds e4m3 rows and
- * a_scale their scales, [rows, ⌈K/128⌉]; else a_base holds T rows. KC is
+ * a_scale their scales, [⌈K/128⌉, rows] (quantize_fp8's); else a_base holds T rows. KC is
  * the inner size when known at compile time (just-in-time builds), or 0. */
 template <typename T, int MODE, bool FP8, int KC>
 __device__ __forceinline__ void
@@ -685,7 +705,8 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
   const int K = KC != 0 ? KC : (MODE != MODE_GATE_UP ? p.inter : p.hidden);
   const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
-  const int kblocks = (K + 127) / 128;
+  /* rows of a_scale: x's tokens (gate_up reads them in place), or h's */
+  const size_t a_rows = MODE != MODE_GATE_UP ? (size_t) p.tokens * p.top_k : (size_t) p.tokens;
   Tile t;
 
   if (!find_tile (r, p.num_experts, WG_BM, mt, &t))
@@ -725,7 +746,7 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
       for (int i = threadIdx.x; i < WG_BM + WG_BN; i += blockDim.x)
         {
           int c = i - WG_BM;
-          s_scale[stage][i] = i < WG_BM ? (a_row[i] >= 0 ? a_scale[(size_t) a_row[i] * kblocks + kt] : 0.0f)
+          s_scale[stage][i] = i < WG_BM ? (a_row[i] >= 0 ? a_scale[(size_t) kt * a_rows + a_row[i]] : 0.0f)
                                         : (b_row[c] >= 0 ? weight_scale<MOE_CUDA_WEIGHTS_FP8, MODE> (p, t.e, b_row[c], k0) : 0.0f);
         }
   };
@@ -874,11 +895,13 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
   __shared__ float s_scale[FP8 ? STAGES : 1][TM_BM + BN];   /* FP8: rows', then columns' */
   __shared__ int b_row[BN];
+  __shared__ int b_scale[FP8 ? BN : 1];   /* FP8: where each column's weight scales start, or -1 */
   unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
   const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
   const int K = KC != 0 ? KC : (MODE != MODE_GATE_UP ? p.inter : p.hidden);
   const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
-  const int kblocks = (K + 127) / 128, ktiles = (K + BK - 1) / BK;
+  const int ktiles = (K + BK - 1) / BK;
+  const size_t S = (size_t) p.tokens * p.top_k;   /* rows of a_scale */
   Tile t;
 
   if (!find_tile (r, p.num_experts, TM_BM, mt, &t))
@@ -894,7 +917,11 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       asm volatile ("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
   for (int c = threadIdx.x; c < BN; c += blockDim.x)
-    b_row[c] = tile_weight_row<MODE> (p, BN, nt, c);
+    {
+      b_row[c] = tile_weight_row<MODE> (p, BN, nt, c);
+      if (FP8)
+        b_scale[c] = b_row[c] >= 0 ? fp8_scale_row<MODE> (p, t.e, b_row[c]) : -1;
+    }
   __syncthreads ();
 
   auto stage_a = [&] (int stage) { return smem + stage * STAGE_BYTES; };
@@ -911,6 +938,24 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       /* the tile's weight rows: one box, or the gate and up halves apart */
       const bool split = MODE == MODE_GATE_UP && p.has_gate && !p.interleaved;
       const int wrow0 = t.e * nw + (split ? nt * (BN / 2) : b_row[0] >= 0 ? b_row[0] : 0);
+      /* FP8: each lane's share of a stage's scales (the rows', then the
+       * columns'), loaded a stage ahead so their latency hides behind the
+       * wait for a free stage */
+      constexpr int PER_LANE = FP8 ? (TM_BM + BN) / 32 : 1;
+      float next[PER_LANE];
+      auto load_scales = [&] (int kt) {
+#pragma unroll
+        for (int j = 0; j < PER_LANE; j++)
+          {
+            const int i = lane + 32 * j;
+            if (i < TM_BM)
+              next[j] = i < t.rows ? a_scale[(size_t) kt * S + t.row0 + i] : 0.0f;
+            else
+              next[j] = b_scale[i - TM_BM] >= 0 ? fp8_scale_at<MODE> (p, b_scale[i - TM_BM] + kt) : 0.0f;
+          }
+      };
+      if (FP8)
+        load_scales (0);
       for (int kt = 0; kt < ktiles; kt++)
         {
           const int s = kt % STAGES;
@@ -918,12 +963,11 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
             mbar_wait (&empty[s], ((kt / STAGES) + 1) & 1);
           if (FP8)
             {
-              for (int i = lane; i < TM_BM + BN; i += 32)
-                {
-                  int c = i - TM_BM;
-                  s_scale[s][i] = i < TM_BM ? (i < t.rows ? a_scale[(size_t) (t.row0 + i) * kblocks + kt] : 0.0f)
-                                            : (b_row[c] >= 0 ? weight_scale<MOE_CUDA_WEIGHTS_FP8, MODE> (p, t.e, b_row[c], kt * BK) : 0.0f);
-                }
+#pragma unroll
+              for (int j = 0; j < PER_LANE; j++)
+                s_scale[s][lane + 32 * j] = next[j];
+              if (kt + 1 < ktiles)
+                load_scales (kt + 1);
               if (lane != 0)
                 mbar_arrive (&full[s]);
             }
@@ -1035,7 +1079,7 @@ quantize_fp8 (const T *in, int K, unsigned char *q, float *scale, bool gather = 
               int E = 0, int top_k = 1)
 {
   const size_t row = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, kblocks = (K + 127) / 128;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   size_t src = row;
 
   if (gather)
@@ -1055,7 +1099,7 @@ quantize_fp8 (const T *in, int K, unsigned char *q, float *scale, bool gather = 
             q[row * K + k] = __nv_cvt_float_to_fp8 (v[j] / s, __NV_SATFINITE, __NV_E4M3);
         }
       if (lane == 0)
-        scale[row * kblocks + g / 128] = s;
+        scale[(size_t) (g / 128) * gridDim.x + row] = s;
     }
 }
 
