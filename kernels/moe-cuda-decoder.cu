@@ -120,19 +120,21 @@ fits_vec (std::initializer_list<long> counts, std::initializer_list<const void *
   return true;
 }
 
-/* launches kernel<T, V> with V = 16 bytes' worth when @vec, else 1 */
+/* launches kernel<T, V> (overlapped) with V = 16 bytes' worth when @vec, else 1 */
 #define LAUNCH_VEC(vec, kernel, grid, block, stream, ...)                    \
   do {                                                                       \
     if (vec)                                                                 \
-      kernel<T, 16 / sizeof (T)><<<grid, block, 0, stream>>> (__VA_ARGS__);  \
+      launch_overlapped (kernel<T, 16 / sizeof (T)>, grid, block, 0, stream, __VA_ARGS__); \
     else                                                                     \
-      kernel<T, 1><<<grid, block, 0, stream>>> (__VA_ARGS__);               \
+      launch_overlapped (kernel<T, 1>, grid, block, 0, stream, __VA_ARGS__); \
   } while (0)
 
 template <typename T>
 __global__ void
 embed_kernel (const T *table, const int64_t *ids, int width, T *out)
 {
+  pdl_release ();
+  pdl_wait ();
   const T *src = table + ids[blockIdx.x] * (size_t) width;
   T *dst = out + blockIdx.x * (size_t) width;
 #pragma unroll 8
@@ -151,6 +153,8 @@ __global__ void
 rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int in_stride, const float *w,
                  float eps, int weight_last, T *y, int out_stride)
 {
+  pdl_release ();
+  pdl_wait ();
   size_t r = blockIdx.x / groups, g = blockIdx.x % groups;
   T *xr = x + r * in_stride + g * group_stride;
   T *yr = y + r * out_stride + g * group_stride;
@@ -213,6 +217,8 @@ __global__ void
 rope_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *positions, const float *inv_freq,
              int rope_dim, float scale)
 {
+  pdl_release ();
+  pdl_wait ();
   int half = rope_dim / 2;
   float pos = (float) positions[blockIdx.x];
   T *row = x + blockIdx.x * (size_t) row_stride;
@@ -252,6 +258,8 @@ __global__ void
 rope_interleaved_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *positions,
                          const float *inv_freq, int rope_dim, float scale)
 {
+  pdl_release ();
+  pdl_wait ();
   int half = rope_dim / 2;
   float pos = (float) positions[blockIdx.x];
 
@@ -272,6 +280,9 @@ rope_interleaved_kernel (T *x, int heads, int row_stride, int head_stride, const
     }
 }
 
+/* A block per (sequence, token): every head's key and value into the
+ * cache, V elements a thread at a time (a block per head left most
+ * threads idle: a head is 16 pieces of 16 bytes) */
 template <typename T, int V>
 __global__ void
 store_kv_kernel (int n_tokens, int kv_heads,
@@ -280,16 +291,32 @@ store_kv_kernel (int n_tokens, int kv_heads,
                  const T *v, int v_row, int v_head, int dv,
                  T *k_cache, T *v_cache, int capacity, int past, const int *past_dev)
 {
-  int row = blockIdx.x, h = blockIdx.y;
+  pdl_release ();
+  pdl_wait ();
+  const int row = blockIdx.x;
   if (past_dev != nullptr)
     past = *past_dev;
-  int b = row / n_tokens, t = row % n_tokens;
-  size_t slot = ((size_t) b * kv_heads + h) * capacity + past + t;
-  T *kd = k_cache + slot * (n1 + n2);
+  const int b = row / n_tokens, t = row % n_tokens, dk = n1 + n2;
+  /* pieces of V elements: a head's n1 of k1, n2 of k2, then dv of v */
+  const int p1 = n1 / V, p2 = n2 / V, pv = dv / V, per_head = p1 + p2 + pv;
 
-  copy_vec<T, V> (kd, k1 + (size_t) row * k1_row + (size_t) h * k1_head, n1);
-  copy_vec<T, V> (kd + n1, k2 + (size_t) row * k2_row + (size_t) h * k2_head, n2);
-  copy_vec<T, V> (v_cache + slot * dv, v + (size_t) row * v_row + (size_t) h * v_head, dv);
+  for (int i = threadIdx.x; i < kv_heads * per_head; i += blockDim.x)
+    {
+      const int h = i / per_head, c = i % per_head;
+      const size_t slot = ((size_t) b * kv_heads + h) * capacity + past + t;
+      const T *src;
+      T *dst, e[V];
+      if (c < p1)
+        src = k1 + (size_t) row * k1_row + (size_t) h * k1_head + c * V, dst = k_cache + slot * dk + c * V;
+      else if (c < p1 + p2)
+        src = k2 + (size_t) row * k2_row + (size_t) h * k2_head + (c - p1) * V,
+        dst = k_cache + slot * dk + n1 + (c - p1) * V;
+      else
+        src = v + (size_t) row * v_row + (size_t) h * v_head + (c - p1 - p2) * V,
+        dst = v_cache + slot * dv + (c - p1 - p2) * V;
+      load_vec<T, V> (e, src);
+      store_vec<T, V> (dst, e);
+    }
 }
 
 /* One block per (query row, head): the scores of every key in shared
@@ -300,6 +327,8 @@ template <typename T>
 __global__ void
 attention_kernel (MoeCudaAttention a)
 {
+  pdl_release ();
+  pdl_wait ();
   extern __shared__ float sm[];
   float *qs = sm, *score = sm + a.dk;
   int row = blockIdx.x, h = blockIdx.y;
@@ -516,6 +545,8 @@ template <typename T>
 __global__ void
 route_kernel (MoeCudaRouter r)
 {
+  pdl_release ();
+  pdl_wait ();
   extern __shared__ int64_t route_sm[];
   int E = r.num_experts, K = r.top_k;
   /* the choice and its weights built in shared memory, written out at the
@@ -642,25 +673,21 @@ route_kernel (MoeCudaRouter r)
     }
 }
 
-/* A warp's dot products of weight row @w0 (and @w1 when TWO: a gated
- * projection's up row, read in the same loop so that both rows' loads are
- * in flight together) with R rows of x (@ldx apart): acc0[r], acc1[r] in
- * every lane. vec: 16-byte loads, U of them a row in flight. */
-template <typename T, int R, bool TWO>
+/* acc[r] += w · x[r] for the R rows: a warp, 16-byte loads of the weight
+ * row (eight in flight per lane: the memory's speed), the inputs from L1/L2 */
+template <typename T, int R>
 __device__ __forceinline__ void
-warp_dot (const T *w0, const T *w1, const T *x, int ldx, int in, bool vec, float *acc0, float *acc1)
+warp_dot (const T *w, const T *x, int ldx, int in, bool vec, float *acc)
 {
-  constexpr int V = 16 / sizeof (T), U = R <= 2 ? 8 : 4;
+  constexpr int V = 16 / sizeof (T);
   int lane = threadIdx.x % 32;
 
   if (vec)
-#pragma unroll U
+#pragma unroll 8
     for (int k = lane * V; k < in; k += 32 * V)
       {
-        uint4 wv0 = __ldg ((const uint4 *) (w0 + k)), wv1;
-        if (TWO)
-          wv1 = __ldg ((const uint4 *) (w1 + k));
-        const T *we0 = (const T *) &wv0, *we1 = (const T *) &wv1;
+        uint4 wv = __ldg ((const uint4 *) (w + k));
+        const T *we = (const T *) &wv;
 #pragma unroll
         for (int r = 0; r < R; r++)
           {
@@ -668,32 +695,20 @@ warp_dot (const T *w0, const T *w1, const T *x, int ldx, int in, bool vec, float
             const T *xe = (const T *) &xv;
 #pragma unroll
             for (int q = 0; q < V; q++)
-              {
-                acc0[r] += to_f (we0[q]) * to_f (xe[q]);
-                if (TWO)
-                  acc1[r] += to_f (we1[q]) * to_f (xe[q]);
-              }
+              acc[r] += to_f (we[q]) * to_f (xe[q]);
           }
       }
   else
     for (int k = lane; k < in; k += 32)
       {
+        float wk = to_f (w[k]);
 #pragma unroll
         for (int r = 0; r < R; r++)
-          {
-            float xk = to_f (x[(size_t) r * ldx + k]);
-            acc0[r] += to_f (w0[k]) * xk;
-            if (TWO)
-              acc1[r] += to_f (w1[k]) * xk;
-          }
+          acc[r] += wk * to_f (x[(size_t) r * ldx + k]);
       }
 #pragma unroll
   for (int r = 0; r < R; r++)
-    {
-      acc0[r] = warp_sum (acc0[r]);
-      if (TWO)
-        acc1[r] = warp_sum (acc1[r]);
-    }
+    acc[r] = warp_sum (acc[r]);
 }
 
 /* A warp per output n of a few rows' projection, with its epilogue:
@@ -712,10 +727,20 @@ gemv_kernel (MoeCudaGemv a)
   bool vec = (((uintptr_t) x | (uintptr_t) W) % 16 == 0) && a.in % V == 0 && a.ldx % V == 0;
   float acc[R] = {}, up[R] = {};
 
+  /* the weight rows do not depend on the kernels before: into L2 now */
+  pdl_release ();
+  if (n < a.out && lane == 0 && ((uintptr_t) W % 16 == 0) && (a.in * sizeof (T)) % 16 == 0)
+    {
+      prefetch_l2 (W + (size_t) n * a.in, a.in * sizeof (T));
+      if (EPI == GEMV_GATED)
+        prefetch_l2 (W + (size_t) (a.out + n) * a.in, a.in * sizeof (T));
+    }
+  pdl_wait ();
   if (n >= a.out)
     return;
-  warp_dot<T, R, EPI == GEMV_GATED> (W + (size_t) n * a.in, W + (size_t) (a.out + n) * a.in, x, a.ldx, a.in, vec,
-                                     acc, up);
+  warp_dot<T, R> (W + (size_t) n * a.in, x, a.ldx, a.in, vec, acc);
+  if (EPI == GEMV_GATED)
+    warp_dot<T, R> (W + (size_t) (a.out + n) * a.in, x, a.ldx, a.in, vec, up);
   if (lane != 0)
     return;
 #pragma unroll
@@ -750,6 +775,8 @@ template <typename T, int V>
 __global__ void
 act_mul_kernel (T *gu, int width, int row_stride, int act)
 {
+  pdl_release ();
+  pdl_wait ();
   T *g = gu + blockIdx.x * (size_t) row_stride, *u = g + width;
   for (int i = threadIdx.x * V; i < width; i += blockDim.x * V)
     {
@@ -767,6 +794,8 @@ template <typename T, int V>
 __global__ void
 add_gated_kernel (T *y, const T *s, const T *gate, int width)
 {
+  pdl_release ();
+  pdl_wait ();
   T *yr = y + blockIdx.x * (size_t) width;
   const T *sr = s + blockIdx.x * (size_t) width;
   float g = gate != nullptr ? rnd<T> (1.0f / (1.0f + expf (-to_f (gate[blockIdx.x])))) : 1.0f;
@@ -792,6 +821,8 @@ template <typename T, int V>
 __global__ void
 bias_rows_kernel (const T *bias, int width, T *y)
 {
+  pdl_release ();
+  pdl_wait ();
   copy_vec<T, V> (y + blockIdx.x * (size_t) width, bias, width);
 }
 
@@ -820,6 +851,8 @@ argmax_step (float &v, int &i, int o)
 __global__ void __launch_bounds__ (1024)
 argmax_kernel (const float *x, int n, int64_t *out)
 {
+  pdl_release ();
+  pdl_wait ();
   __shared__ float best_v[32];
   __shared__ int best_i[32];
   const float *row = x + (size_t) blockIdx.x * n;
@@ -868,7 +901,7 @@ elementwise_blocks (size_t n)
 extern "C" void
 moe_cuda_embed (int dtype, const void *table, const int64_t *ids, int rows, int width, void *out, cudaStream_t s)
 {
-  DISPATCH (dtype, embed_kernel<T><<<rows, 256, 0, s>>> ((const T *) table, ids, width, (T *) out));
+  DISPATCH (dtype, launch_overlapped (embed_kernel<T>, rows, 256, 0, s, (const T *) table, ids, width, (T *) out));
 }
 
 extern "C" void
@@ -880,9 +913,9 @@ moe_cuda_rms_norm (int dtype, void *x, const void *h_add, int rows, int n, int g
   int threads = 128;
   while (threads < 1024 && threads * NORM_PER_THREAD < n)
     threads *= 2;
-  DISPATCH (dtype, rms_norm_kernel<T><<<rows * groups, threads, 0, s>>> (
-                     (T *) x, (const T *) h_add, n, groups, group_stride, in_stride, weight, eps, weight_last,
-                     (T *) y, out_stride));
+  DISPATCH (dtype, launch_overlapped (rms_norm_kernel<T>, rows * groups, threads, 0, s,
+                                      (T *) x, (const T *) h_add, n, groups, group_stride, in_stride, weight, eps,
+                                      weight_last, (T *) y, out_stride));
 }
 
 extern "C" void
@@ -897,11 +930,12 @@ moe_cuda_rope (int dtype, void *x, int rows, int heads, int row_stride, int head
                cudaStream_t s)
 {
   if (interleaved)
-    DISPATCH (dtype, rope_interleaved_kernel<T><<<rows, 32, 0, s>>> ((T *) x, heads, row_stride, head_stride,
-                                                                     positions, inv_freq, rope_dim, scale));
+    DISPATCH (dtype, launch_overlapped (rope_interleaved_kernel<T>, rows, 32, 0, s, (T *) x, heads, row_stride,
+                                        head_stride, positions, inv_freq, rope_dim, scale));
   else
-    DISPATCH (dtype, rope_kernel<T><<<rows, rope_dim / 2 < 256 ? rope_dim / 2 : 256, 0, s>>> (
-                       (T *) x, heads, row_stride, head_stride, positions, inv_freq, rope_dim, scale));
+    DISPATCH (dtype, launch_overlapped (rope_kernel<T>, rows, rope_dim / 2 < 256 ? rope_dim / 2 : 256, 0, s,
+                                        (T *) x, heads, row_stride, head_stride, positions, inv_freq, rope_dim,
+                                        scale));
 }
 
 extern "C" void
@@ -911,11 +945,11 @@ moe_cuda_store_kv (int dtype, int batch, int n_tokens, int kv_heads,
                    const void *v, int v_row, int v_head, int dv,
                    void *k_cache, void *v_cache, int capacity, int past, const int *past_dev, cudaStream_t s)
 {
-  dim3 grid (batch * n_tokens, kv_heads);
+  const int grid = batch * n_tokens;
   DISPATCH (dtype,
             bool vec = fits_vec<T> ({ k1_row, k1_head, n1, k2_row, k2_head, n2, v_row, v_head, dv },
                                     { k1, n2 > 0 ? k2 : nullptr, v, k_cache, v_cache });
-            LAUNCH_VEC (vec, store_kv_kernel, grid, 128, s,
+            LAUNCH_VEC (vec, store_kv_kernel, grid, 256, s,
                         n_tokens, kv_heads, (const T *) k1, k1_row, k1_head, n1,
                         (const T *) k2, k2_row, k2_head, n2, (const T *) v, v_row, v_head, dv,
                         (T *) k_cache, (T *) v_cache, capacity, past, past_dev));
@@ -939,7 +973,7 @@ moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
   DISPATCH (a->dtype,
             if (smem > 48 * 1024)
               cudaFuncSetAttribute (attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
-            attention_kernel<T><<<grid, 128, smem, s>>> (*a));
+            launch_overlapped (attention_kernel<T>, grid, 128, smem, s, *a));
   return NULL;
 }
 
@@ -966,7 +1000,7 @@ moe_cuda_route (const MoeCudaRouter *r, cudaStream_t s)
   DISPATCH (r->dtype,
             if (smem > 48 * 1024)
               cudaFuncSetAttribute (route_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
-            route_kernel<T><<<r->rows, 32, smem, s>>> (*r));
+            launch_overlapped (route_kernel<T>, r->rows, 32, smem, s, *r));
 }
 
 template <typename T, int EPI>
@@ -976,14 +1010,14 @@ launch_gemv (const MoeCudaGemv *a, cudaStream_t s)
   unsigned blocks = (unsigned) ((a->out + 7) / 8);
   switch (a->rows)
     {
-    case 1: gemv_kernel<T, 1, EPI><<<blocks, 256, 0, s>>> (*a); break;
-    case 2: gemv_kernel<T, 2, EPI><<<blocks, 256, 0, s>>> (*a); break;
-    case 3: gemv_kernel<T, 3, EPI><<<blocks, 256, 0, s>>> (*a); break;
-    case 4: gemv_kernel<T, 4, EPI><<<blocks, 256, 0, s>>> (*a); break;
-    case 5: gemv_kernel<T, 5, EPI><<<blocks, 256, 0, s>>> (*a); break;
-    case 6: gemv_kernel<T, 6, EPI><<<blocks, 256, 0, s>>> (*a); break;
-    case 7: gemv_kernel<T, 7, EPI><<<blocks, 256, 0, s>>> (*a); break;
-    default: gemv_kernel<T, 8, EPI><<<blocks, 256, 0, s>>> (*a); break;
+    case 1: launch_overlapped (gemv_kernel<T, 1, EPI>, blocks, 256, 0, s, *a); break;
+    case 2: launch_overlapped (gemv_kernel<T, 2, EPI>, blocks, 256, 0, s, *a); break;
+    case 3: launch_overlapped (gemv_kernel<T, 3, EPI>, blocks, 256, 0, s, *a); break;
+    case 4: launch_overlapped (gemv_kernel<T, 4, EPI>, blocks, 256, 0, s, *a); break;
+    case 5: launch_overlapped (gemv_kernel<T, 5, EPI>, blocks, 256, 0, s, *a); break;
+    case 6: launch_overlapped (gemv_kernel<T, 6, EPI>, blocks, 256, 0, s, *a); break;
+    case 7: launch_overlapped (gemv_kernel<T, 7, EPI>, blocks, 256, 0, s, *a); break;
+    default: launch_overlapped (gemv_kernel<T, 8, EPI>, blocks, 256, 0, s, *a); break;
     }
 }
 
@@ -1029,5 +1063,5 @@ moe_cuda_to_f32 (int dtype, const void *x, size_t n, float *y, cudaStream_t s)
 extern "C" void
 moe_cuda_argmax (const float *x, int rows, int n, int64_t *out, cudaStream_t s)
 {
-  argmax_kernel<<<rows, 1024, 0, s>>> (x, n, out);
+  launch_overlapped (argmax_kernel, rows, 1024, 0, s, x, n, out);
 }

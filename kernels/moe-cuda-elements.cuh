@@ -9,6 +9,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <type_traits>
+#ifndef MOE_JIT
+# include <cstdlib>
+# include <cstring>
+#endif
 
 #ifndef MOE_JIT
 # include "moe-cuda-experts.h"   /* MOE_CUDA_* */
@@ -92,5 +96,77 @@ mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+/* ---- programmatic dependent launch (sm_90+) ----------------------------
+ *
+ * A decode step is a chain of short kernels, each of which would otherwise
+ * start only once the one before it has drained. A kernel started by
+ * launch_overlapped () may begin while the one before it on the stream
+ * still runs: it calls pdl_wait () before it reads anything an earlier
+ * kernel wrote or writes anything one reads (it may read weights, or ask
+ * L2 for them, before that), and pdl_release () to let the next kernel
+ * begin as soon as all of its own blocks run. Both are no-ops before
+ * sm_90 and in kernels launched the plain way. */
+__device__ __forceinline__ void
+pdl_wait ()
+{
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile ("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void
+pdl_release ()
+{
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile ("griddepcontrol.launch_dependents;\n");
+#endif
+}
+
+/* @bytes (a multiple of 16) from 16-byte aligned @p into L2, without
+ * waiting for them */
+__device__ __forceinline__ void
+prefetch_l2 (const void *p, unsigned bytes)
+{
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile ("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+#ifndef MOE_JIT
+/* on a GPU of compute capability 9.0 or more, unless MOE_CUDA_PDL=0 */
+inline bool
+pdl_enabled ()
+{
+  static int on = -1;
+  if (on < 0)
+    {
+      int dev = 0, major = 0;
+      const char *env = getenv ("MOE_CUDA_PDL");
+      cudaGetDevice (&dev);
+      cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev);
+      on = major >= 9 && (env == nullptr || strcmp (env, "0") != 0);
+    }
+  return on;
+}
+
+template <typename... Params, typename... Args>
+void
+launch_overlapped (void (*kernel) (Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args)
+{
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg = {};
+
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl_enabled () ? 1 : 0;
+  cudaLaunchKernelEx (&cfg, kernel, args...);
+}
+#endif
 
 } /* namespace */

@@ -102,7 +102,7 @@ grouped_gemm_simt (MoeCudaExperts p, Route r, const TA *a_base, T *dst, int n_ti
 template <typename T>
 struct WarpRows
 {
-  static constexpr int U = 8;
+  static constexpr int U = 4;   /* 8: more registers, fewer blocks an SM, slower (measured) */
   const T *w0, *w1;   /* w1 NULL: one row */
   uint4 v0[U], v1[U];
 
@@ -204,6 +204,8 @@ template <typename T, typename TA, int MODE, int WF>
 __global__ void __launch_bounds__ (256)
 rowwise (MoeCudaExperts p, const TA *src_rows, T *h, T *y)
 {
+  pdl_release ();
+  pdl_wait ();
   extern __shared__ float xs[];
   const int pair = blockIdx.x, E = p.num_experts;
   const long long id = p.ids[pair];
@@ -327,6 +329,8 @@ template <typename T, bool EAGER>
 __global__ void __launch_bounds__ (256)
 combine (MoeCudaExperts p, const T *y)
 {
+  pdl_release ();
+  pdl_wait ();
   __shared__ float wk[64];
   __shared__ int live[64], order[64];
   const int t = blockIdx.x, K = p.top_k, H = p.hidden, E = p.num_experts;
@@ -554,9 +558,9 @@ const char *
 launch_combine (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, bool eager = false)
 {
   if (eager)
-    combine<T, true><<<p.tokens, 256, 0, s>>> (p, (const T *) w.y);
+    launch_overlapped (combine<T, true>, p.tokens, 256, 0, s, p, (const T *) w.y);
   else
-    combine<T, false><<<p.tokens, 256, 0, s>>> (p, (const T *) w.y);
+    launch_overlapped (combine<T, false>, p.tokens, 256, 0, s, p, (const T *) w.y);
   return nullptr;
 }
 
@@ -896,11 +900,11 @@ run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   cudaFuncSetAttribute (rowwise<T, TA, MODE_DOWN, WF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_dn);
   if (WF != MOE_CUDA_WEIGHTS_PLAIN)
     quantize_activations<T><<<p.tokens, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq);
-  rowwise<T, TA, MODE_GATE_UP, WF><<<grid_gu, 256, smem_gu, s>>> (p, x, (T *) w.h, (T *) w.y);
+  launch_overlapped (rowwise<T, TA, MODE_GATE_UP, WF>, grid_gu, 256, smem_gu, s, p, x, (T *) w.h, (T *) w.y);
   /* h by (token, slot); a sentinel slot's row is left as it was, and unused */
   if (WF != MOE_CUDA_WEIGHTS_PLAIN)
     quantize_activations<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq);
-  rowwise<T, TA, MODE_DOWN, WF><<<grid_dn, 256, smem_dn, s>>> (p, h, (T *) w.h, (T *) w.y);
+  launch_overlapped (rowwise<T, TA, MODE_DOWN, WF>, grid_dn, 256, smem_dn, s, p, h, (T *) w.h, (T *) w.y);
   return launch_combine<T> (p, w, s);
 }
 

@@ -18,7 +18,7 @@
 #include "moe-cuda-decoder.h"
 #include "moe-cuda-elements.cuh"
 
-#include <cfloat>
+#include <cstdlib>
 
 namespace {
 
@@ -88,8 +88,11 @@ fetch_tile (T *dst, const T *src, int j0, int n, int d, bool async)
     }
 }
 
-template <typename T, int DK, int DV>
-__global__ void __launch_bounds__ (128)
+template <typename T, int DK, int DV, int MINB>
+/* three blocks an SM (registers and shared memory allow it with 128-wide
+ * heads): two left the schedulers idle two thirds of the time, waiting on
+ * the products' and the softmax's latencies (Nsight Compute) */
+__global__ void __launch_bounds__ (128, MINB)
 flash_attention_kernel (MoeCudaAttention a)
 {
   constexpr int SK = DK + 8, SV = DV + 8;
@@ -168,7 +171,8 @@ flash_attention_kernel (MoeCudaAttention a)
        * 4 threads agree) */
       const bool mask = valid != nullptr || a.window > 0 || j0 + BK > kend ||
                         j0 + BK - 1 > past + t0 + warp * 16;
-      float mx[2] = { m[0], m[1] };
+      /* four partial maxima (and sums below) a row: short dependency chains */
+      float mx[2][4];
 #pragma unroll
       for (int n = 0; n < BK / 8; n++)
 #pragma unroll
@@ -178,17 +182,19 @@ flash_attention_kernel (MoeCudaAttention a)
             bool ok = !mask || (j < kend && j <= qpos && (valid == nullptr || valid[j]) &&
                                 (a.window == 0 || qpos - j < a.window));
             s[n][e] = ok ? s[n][e] * scale : -INFINITY;
-            mx[e >> 1] = fmaxf (mx[e >> 1], s[n][e]);
+            float &part = mx[e >> 1][(n % 2) * 2 + (e & 1)];
+            part = n < 2 ? s[n][e] : fmaxf (part, s[n][e]);
           }
-      float base[2], alpha[2], sum[2] = { 0.0f, 0.0f };
+      float base[2], alpha[2], sum[2][4];
 #pragma unroll
       for (int r = 0; r < 2; r++)
         {
-          mx[r] = fmaxf (mx[r], __shfl_xor_sync (0xffffffffu, mx[r], 1));
-          mx[r] = fmaxf (mx[r], __shfl_xor_sync (0xffffffffu, mx[r], 2));
-          base[r] = mx[r] == -INFINITY ? 0.0f : mx[r];   /* all masked so far: nothing to rescale */
+          float top = fmaxf (fmaxf (m[r], fmaxf (mx[r][0], mx[r][1])), fmaxf (mx[r][2], mx[r][3]));
+          top = fmaxf (top, __shfl_xor_sync (0xffffffffu, top, 1));
+          top = fmaxf (top, __shfl_xor_sync (0xffffffffu, top, 2));
+          base[r] = top == -INFINITY ? 0.0f : top;   /* all masked so far: nothing to rescale */
           alpha[r] = exp2_fast (m[r] - base[r]);
-          m[r] = mx[r];
+          m[r] = top;
         }
 #pragma unroll
       for (int n = 0; n < BK / 8; n++)
@@ -196,11 +202,12 @@ flash_attention_kernel (MoeCudaAttention a)
         for (int e = 0; e < 4; e++)
           {
             s[n][e] = exp2_fast (s[n][e] - base[e >> 1]);
-            sum[e >> 1] += s[n][e];
+            float &part = sum[e >> 1][(n % 2) * 2 + (e & 1)];
+            part = n < 2 ? s[n][e] : part + s[n][e];
           }
 #pragma unroll
       for (int r = 0; r < 2; r++)
-        l[r] = l[r] * alpha[r] + sum[r];
+        l[r] = l[r] * alpha[r] + ((sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]));
 #pragma unroll
       for (int n = 0; n < DV / 8; n++)
 #pragma unroll
@@ -267,9 +274,9 @@ flash_attention_kernel (MoeCudaAttention a)
       }
 }
 
-template <typename T, int DK, int DV>
+template <typename T, int DK, int DV, int MINB>
 void
-launch (const MoeCudaAttention *a, cudaStream_t s)
+launch_minb (const MoeCudaAttention *a, cudaStream_t s)
 {
   constexpr int smem = 2 * BK * (DK + 8 + DV + 8) * (int) sizeof (T);
   dim3 grid (a->heads, a->batch, (a->n_tokens + BQ - 1) / BQ);
@@ -277,10 +284,21 @@ launch (const MoeCudaAttention *a, cudaStream_t s)
 
   if (!opted_in)
     {
-      cudaFuncSetAttribute (flash_attention_kernel<T, DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      cudaFuncSetAttribute (flash_attention_kernel<T, DK, DV, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       opted_in = true;
     }
-  flash_attention_kernel<T, DK, DV><<<grid, 128, smem, s>>> (*a);
+  flash_attention_kernel<T, DK, DV, MINB><<<grid, 128, smem, s>>> (*a);
+}
+
+template <typename T, int DK, int DV>
+void
+launch (const MoeCudaAttention *a, cudaStream_t s)
+{
+  static int minb = getenv ("MOE_CUDA_FLASH_MINB") ? atoi (getenv ("MOE_CUDA_FLASH_MINB")) : 3;
+  if (minb == 3)
+    launch_minb<T, DK, DV, 3> (a, s);
+  else
+    launch_minb<T, DK, DV, 1> (a, s);
 }
 
 template <typename T>
