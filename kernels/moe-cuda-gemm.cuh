@@ -650,6 +650,17 @@ wgmma_m64n256 (float d[128], uint64_t da, uint64_t db)
  * warp whose 16 rows start at row - lane / 4 holds, for each 8-column
  * block j, columns 8j + 2(lane % 4) + {0, 1} of its row and of row + 8. */
 
+/* Keeps the compiler from touching accumulator registers across a wgmma
+ * issue or wait (they are written asynchronously in between). */
+template <int N>
+__device__ __forceinline__ void
+fence_regs (float (&r)[N])
+{
+#pragma unroll
+  for (int i = 0; i < N; i++)
+    asm volatile ("" : "+f"(r[i]) :: "memory");
+}
+
 /* FP8: one 128-wide K block's products into the float accumulators, times
  * the rows' activation scales and the columns' weight scales (sc: the
  * tile's BM row scales, then its column scales). */
@@ -995,50 +1006,74 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
    * then has the tensor cores to itself, so such a tile costs about half. */
   const bool idle = cw * 64 >= t.rows;
   float d[BN / 2];
-  float part[FP8 ? 64 : 1];
 #pragma unroll
   for (int i = 0; i < BN / 2; i++)
     d[i] = 0.0f;
+  auto wait_full = [&] (int kt) { mbar_wait (&full[kt % STAGES], (kt / STAGES) & 1); };
+  auto stage_a_mine = [&] (int kt) { return stage_a (kt % STAGES) + cw * 64 * WG_ROW_BYTES; };
 
-  for (int kt = 0; kt < ktiles; kt++)
+  if (idle)
+    for (int kt = 0; kt < ktiles; kt++)
+      {
+        /* in step with the ring all the same: the producer counts on both
+         * warpgroups handing each stage back */
+        wait_full (kt);
+        mbar_arrive (&empty[kt % STAGES]);
+      }
+  else if constexpr (FP8)
     {
-      const int s = kt % STAGES;
-      mbar_wait (&full[s], (kt / STAGES) & 1);
-      if (idle)
-        {
-          /* in step with the ring all the same: the producer counts on
-           * both warpgroups handing each stage back */
-          mbar_arrive (&empty[s]);
-          continue;
-        }
-      unsigned char *sa = stage_a (s) + cw * 64 * WG_ROW_BYTES;
-      unsigned char *sb = stage_b (s);
-      asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
-      if constexpr (FP8)
-        {
+      /* Two sets of a block's partial sums: block kt+1's products run on
+       * the tensor cores while block kt's are scaled into d (one set
+       * left them idle during every promotion). */
+      float pa[64], pb[64];
+      auto issue = [&] (int kt, float (&part)[64]) {
+        wait_full (kt);
+        unsigned char *sa = stage_a_mine (kt), *sb = stage_b (kt % STAGES);
+        asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+        fence_regs (part);
 #pragma unroll
-          for (int j = 0; j < 4; j++)
-            wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
-          asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        for (int j = 0; j < 4; j++)
+          wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+        asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      };
+      auto retire = [&] (int kt, float (&part)[64], float (&next)[64]) {
+        if (kt + 1 < ktiles)
+          {
+            issue (kt + 1, next);
+            asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+          }
+        else
           asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          promote_fp8<TM_BM> (d, part, s_scale[s], cw * 64 + warp_in_wg * 16 + lane / 4, lane);
-          mbar_arrive (&empty[s]);
-        }
-      else
+        fence_regs (part);
+        promote_fp8<TM_BM> (d, part, s_scale[kt % STAGES], cw * 64 + warp_in_wg * 16 + lane / 4, lane);
+        mbar_arrive (&empty[kt % STAGES]);
+      };
+      issue (0, pa);
+      for (int kt = 0; kt < ktiles; kt += 2)
         {
-#pragma unroll
-          for (int j = 0; j < BK / 16; j++)
-            if constexpr (BN == 256)
-              wgmma_m64n256<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
-            else
-              wgmma_m64n128<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), 1);
-          asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-          /* the previous step's products are done: hand its stage back */
-          asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-          if (kt > 0)
-            mbar_arrive (&empty[(kt - 1) % STAGES]);
+          retire (kt, pa, pb);
+          if (kt + 1 < ktiles)
+            retire (kt + 1, pb, pa);
         }
     }
+  else
+    for (int kt = 0; kt < ktiles; kt++)
+      {
+        wait_full (kt);
+        unsigned char *sa = stage_a_mine (kt), *sb = stage_b (kt % STAGES);
+        asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < BK / 16; j++)
+          if constexpr (BN == 256)
+            wgmma_m64n256<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
+          else
+            wgmma_m64n128<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), 1);
+        asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        /* the previous step's products are done: hand its stage back */
+        asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (kt > 0)
+          mbar_arrive (&empty[(kt - 1) % STAGES]);
+      }
   asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   /* every copy has landed (each stage was waited for): the ring is free */
   asm volatile ("bar.sync 1, 256;\n" ::: "memory");
