@@ -771,23 +771,32 @@ gemv_kernel (MoeCudaGemv a)
     }
 }
 
+/* a[i] = fn (a[i], b[i]) over @n elements, by the block, V at a time */
+template <typename T, int V, typename F>
+__device__ __forceinline__ void
+zip_vec (T *a, const T *b, int n, F fn)
+{
+  for (int i = threadIdx.x * V; i < n; i += blockDim.x * V)
+    {
+      T ae[V], be[V];
+      load_vec<T, V> (ae, a + i);
+      load_vec<T, V> (be, b + i);
+#pragma unroll
+      for (int j = 0; j < V; j++)
+        ae[j] = fn (ae[j], be[j]);
+      store_vec<T, V> (a + i, ae);
+    }
+}
+
 template <typename T, int V>
 __global__ void
 act_mul_kernel (T *gu, int width, int row_stride, int act)
 {
   pdl_release ();
   pdl_wait ();
-  T *g = gu + blockIdx.x * (size_t) row_stride, *u = g + width;
-  for (int i = threadIdx.x * V; i < width; i += blockDim.x * V)
-    {
-      T ge[V], ue[V];
-      load_vec<T, V> (ge, g + i);
-      load_vec<T, V> (ue, u + i);
-#pragma unroll
-      for (int j = 0; j < V; j++)
-        ge[j] = from_f<T> (rnd<T> (activate (act, to_f (ge[j]))) * to_f (ue[j]));
-      store_vec<T, V> (g + i, ge);
-    }
+  T *g = gu + blockIdx.x * (size_t) row_stride;
+  zip_vec<T, V> (g, g + width, width,
+                 [act] (T gv, T uv) { return from_f<T> (rnd<T> (activate (act, to_f (gv))) * to_f (uv)); });
 }
 
 template <typename T, int V>
@@ -796,23 +805,12 @@ add_gated_kernel (T *y, const T *s, const T *gate, int width)
 {
   pdl_release ();
   pdl_wait ();
-  T *yr = y + blockIdx.x * (size_t) width;
-  const T *sr = s + blockIdx.x * (size_t) width;
-  float g = gate != nullptr ? rnd<T> (1.0f / (1.0f + expf (-to_f (gate[blockIdx.x])))) : 1.0f;
-
-  for (int i = threadIdx.x * V; i < width; i += blockDim.x * V)
-    {
-      T ye[V], se[V];
-      load_vec<T, V> (ye, yr + i);
-      load_vec<T, V> (se, sr + i);
-#pragma unroll
-      for (int j = 0; j < V; j++)
-        {
-          float v = gate != nullptr ? rnd<T> (g * to_f (se[j])) : to_f (se[j]);
-          ye[j] = from_f<T> (to_f (ye[j]) + v);
-        }
-      store_vec<T, V> (yr + i, ye);
-    }
+  const float g = gate != nullptr ? rnd<T> (1.0f / (1.0f + expf (-to_f (gate[blockIdx.x])))) : 1.0f;
+  const bool gated = gate != nullptr;
+  zip_vec<T, V> (y + blockIdx.x * (size_t) width, s + blockIdx.x * (size_t) width, width, [g, gated] (T yv, T sv) {
+    float v = gated ? rnd<T> (g * to_f (sv)) : to_f (sv);
+    return from_f<T> (to_f (yv) + v);
+  });
 }
 
 /* every row of y = bias: what the projection's GEMM then adds its products
