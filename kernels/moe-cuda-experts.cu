@@ -93,109 +93,64 @@ grouped_gemm_simt (MoeCudaExperts p, Route r, const TA *a_base, T *dst, int n_ti
  * 16-byte loads along K. Transposed weights: 32 outputs per block, the
  * eight warps split K. */
 
-/* Dot products of one or two weight rows with x (float, in shared memory)
- * by one warp, 16-byte loads in batches of U a row per lane: start()
- * issues the first batch, which can be before x is even staged (the
- * weights are what the GEMV waits for), finish() consumes it and reads the
- * rest. Needs 2-byte T and K a multiple of 8; dot_rows() is both at once,
- * with a plain loop for other rows. */
-template <typename T>
-struct WarpRows
-{
-  static constexpr int U = 4;   /* 8: more registers, fewer blocks an SM, slower (measured) */
-  const T *w0, *w1;   /* w1 NULL: one row */
-  uint4 v0[U], v1[U];
-
-  __device__ __forceinline__ void
-  load (int k0, int K)
-  {
-#pragma unroll
-    for (int u = 0; u < U; u++)
-      if (k0 + u * 256 < K)
-        {
-          v0[u] = __ldg ((const uint4 *) (w0 + k0 + u * 256));
-          if (w1 != nullptr)
-            v1[u] = __ldg ((const uint4 *) (w1 + k0 + u * 256));
-        }
-  }
-
-  __device__ __forceinline__ void
-  start (const T *row0, const T *row1, int K, int lane)
-  {
-    w0 = row0;
-    w1 = row1;
-    load (lane * 8, K);
-  }
-
-  __device__ __forceinline__ void
-  finish (const float *x, int K, int lane, float *s0, float *s1)
-  {
-    float a = 0.0f, b = 0.0f;
-    for (int k0 = lane * 8; k0 < K; k0 += 256 * U)
-      {
-        if (k0 != lane * 8)
-          load (k0, K);
-#pragma unroll
-        for (int u = 0; u < U; u++)
-          {
-            int k = k0 + u * 256;
-            if (k >= K)
-              break;
-            const T *e0 = (const T *) &v0[u], *e1 = (const T *) &v1[u];
-#pragma unroll
-            for (int q = 0; q < 8; q++)
-              {
-                a += to_f (e0[q]) * x[k + q];
-                if (w1 != nullptr)
-                  b += to_f (e1[q]) * x[k + q];
-              }
-          }
-      }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2)
-      {
-        a += __shfl_xor_sync (0xffffffffu, a, o);
-        b += __shfl_xor_sync (0xffffffffu, b, o);
-      }
-    *s0 = a;
-    if (s1 != nullptr)
-      *s1 = b;
-  }
-};
-
-template <typename T>
-__device__ __forceinline__ bool
-warp_rows_fit (int K)
-{
-  return sizeof (T) == 2 && K % 8 == 0;
-}
-
-template <typename T>
+/* Dot products of one or two weight rows with x (float, in shared memory),
+ * by one warp: four 16-byte loads per row in flight per lane. */
+template <typename T, bool TWO>
 __device__ __forceinline__ void
 dot_rows (const T *w0, const T *w1, const float *x, int K, int lane, float *s0, float *s1)
 {
-  if (warp_rows_fit<T> (K))
-    {
-      WarpRows<T> rows;
-      rows.start (w0, w1, K, lane);
-      rows.finish (x, K, lane, s0, s1);
-      return;
-    }
   float a = 0.0f, b = 0.0f;
-  for (int k = lane; k < K; k += 32)
+  if (K % 8 == 0 && sizeof (T) == 2)
     {
-      a += to_f (w0[k]) * x[k];
-      if (w1 != nullptr)
-        b += to_f (w1[k]) * x[k];
+      constexpr int U = 4;
+      for (int k0 = lane * 8; k0 < K; k0 += 256 * U)
+        {
+          uint4 v0[U], v1[U];
+#pragma unroll
+          for (int u = 0; u < U; u++)
+            {
+              int k = k0 + u * 256;
+              if (k < K)
+                {
+                  v0[u] = __ldg ((const uint4 *) (w0 + k));
+                  if (TWO)
+                    v1[u] = __ldg ((const uint4 *) (w1 + k));
+                }
+            }
+#pragma unroll
+          for (int u = 0; u < U; u++)
+            {
+              int k = k0 + u * 256;
+              if (k >= K)
+                break;
+              const T *e0 = (const T *) &v0[u];
+              const T *e1 = (const T *) &v1[u];
+#pragma unroll
+              for (int q = 0; q < 8; q++)
+                {
+                  a += to_f (e0[q]) * x[k + q];
+                  if (TWO)
+                    b += to_f (e1[q]) * x[k + q];
+                }
+            }
+        }
     }
+  else
+    for (int k = lane; k < K; k += 32)
+      {
+        a += to_f (w0[k]) * x[k];
+        if (TWO)
+          b += to_f (w1[k]) * x[k];
+      }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2)
     {
       a += __shfl_xor_sync (0xffffffffu, a, o);
-      b += __shfl_xor_sync (0xffffffffu, b, o);
+      if (TWO)
+        b += __shfl_xor_sync (0xffffffffu, b, o);
     }
   *s0 = a;
-  if (s1 != nullptr)
+  if (TWO)
     *s1 = b;
 }
 
@@ -219,30 +174,23 @@ rowwise (MoeCudaExperts p, const TA *src_rows, T *h, T *y)
 
   if ((unsigned long long) id >= (unsigned long long) E)
     return;
-  w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) e * nw * K;
-
-  /* plain K-major weights: this warp's output rows start loading before
-   * x is staged (a warp an output) */
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, o = blockIdx.y * 8 + warp;
-  const bool ahead = WF == MOE_CUDA_WEIGHTS_PLAIN && !p.transposed && o < n_out && warp_rows_fit<T> (K);
-  int gr = o, ur = o;
-  WarpRows<T> rows;
-  if (MODE == MODE_GATE_UP && o < n_out)
-    gate_up_rows (p, o, &gr, &ur);
-  if (ahead)
-    rows.start (w + (size_t) ur * K, MODE == MODE_GATE_UP && p.has_gate ? w + (size_t) gr * K : nullptr, K, lane);
-
-#pragma unroll 8   /* the loads in flight together */
+#pragma unroll 8   /* the loads in flight together: this waits before any weight is read */
   for (int k = threadIdx.x; k < K; k += blockDim.x)
     xs[k] = to_f (src[k]);
   __syncthreads ();
+  w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) e * nw * K;
 
   if constexpr (WF != MOE_CUDA_WEIGHTS_PLAIN)
     {
       /* quantized: one warp an output, values multiplied out one by one */
+      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+      const int o = blockIdx.y * 8 + warp;
+      int gr = o, ur = o;
       float g = 0.0f, u = 0.0f;
       if (o >= n_out)
         return;
+      if (MODE == MODE_GATE_UP)
+        gate_up_rows (p, o, &gr, &ur);
       if (K % (WF == MOE_CUDA_WEIGHTS_FP8 ? 16 : 32) == 0)
         {
           u = dot_quantized<WF, MODE> (p, e, ur, xs, lane);
@@ -272,51 +220,62 @@ rowwise (MoeCudaExperts p, const TA *src_rows, T *h, T *y)
     }
   else if (!p.transposed)
     {
-      float g = 0.0f, u = 0.0f;
+      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+      const int o = blockIdx.y * 8 + warp;
       if (o >= n_out)
         return;
-      const bool two = MODE == MODE_GATE_UP && p.has_gate;
-      if (ahead)
-        rows.finish (xs, K, lane, &u, two ? &g : nullptr);
-      else
-        dot_rows<T> (w + (size_t) ur * K, two ? w + (size_t) gr * K : nullptr, xs, K, lane, &u, two ? &g : nullptr);
-      if (lane != 0)
-        return;
       if (MODE == MODE_DOWN)
-        y[(size_t) pair * p.hidden + o] = from_f<T> (down_finish<T> (p, e, o, u));
+        {
+          float sum;
+          dot_rows<T, false> (w + (size_t) o * K, nullptr, xs, K, lane, &sum, nullptr);
+          if (lane == 0)
+            y[(size_t) pair * p.hidden + o] = from_f<T> (down_finish<T> (p, e, o, sum));
+        }
       else
-        h[(size_t) pair * p.inter + o] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, two ? g : u, u));
+        {
+          int gr, ur;
+          float g, u;
+          gate_up_rows (p, o, &gr, &ur);
+          if (p.has_gate)
+            dot_rows<T, true> (w + (size_t) gr * K, w + (size_t) ur * K, xs, K, lane, &g, &u);
+          else
+            {
+              dot_rows<T, false> (w + (size_t) ur * K, nullptr, xs, K, lane, &u, nullptr);
+              g = u;
+            }
+          if (lane == 0)
+            h[(size_t) pair * p.inter + o] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, g, u));
+        }
       return;
     }
 
-  /* transposed: 32 outputs a block, the eight warps split K */
   __shared__ float part[8][32][2];
   const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
-  const int oc = blockIdx.y * 32 + tx;
-  int gc = oc, uc = oc;
+  const int o = blockIdx.y * 32 + tx;
+  int gr = o, ur = o;
   float g = 0.0f, u = 0.0f;
-  if (oc < n_out)
+  if (o < n_out)
     {
       if (MODE == MODE_GATE_UP)
-        gate_up_rows (p, oc, &gc, &uc);
+        gate_up_rows (p, o, &gr, &ur);
       for (int k = ty; k < K; k += 8)
         {
-          u += to_f (w[(size_t) k * nw + uc]) * xs[k];
+          u += to_f (w[(size_t) k * nw + ur]) * xs[k];
           if (MODE == MODE_GATE_UP && p.has_gate)
-            g += to_f (w[(size_t) k * nw + gc]) * xs[k];
+            g += to_f (w[(size_t) k * nw + gr]) * xs[k];
         }
     }
   part[ty][tx][0] = g;
   part[ty][tx][1] = u;
   __syncthreads ();
-  if (ty != 0 || oc >= n_out)
+  if (ty != 0 || o >= n_out)
     return;
   for (int i = 1; i < 8; i++)
     g += part[i][tx][0], u += part[i][tx][1];
   if (MODE == MODE_DOWN)
-    y[(size_t) pair * p.hidden + oc] = from_f<T> (down_finish<T> (p, e, oc, u));
+    y[(size_t) pair * p.hidden + o] = from_f<T> (down_finish<T> (p, e, o, u));
   else
-    h[(size_t) pair * p.inter + oc] = from_f<T> (gate_up_finish<T> (p, e, gc, uc, p.has_gate ? g : u, u));
+    h[(size_t) pair * p.inter + o] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, p.has_gate ? g : u, u));
 }
 
 /* ---- combine: out[t] = Σ_k w[t,k] · y[t*K + k], in slot order --------- */
