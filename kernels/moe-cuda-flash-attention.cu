@@ -18,8 +18,6 @@
 #include "moe-cuda-decoder.h"
 #include "moe-cuda-elements.cuh"
 
-#include <cstdlib>
-
 namespace {
 
 constexpr int BQ = 64;     /* queries a block: 16 per warp */
@@ -90,10 +88,10 @@ fetch_tile (T *dst, const T *src, int j0, int n, int d, bool async)
 
 /* (Asking for three blocks an SM instead of two, which takes the 128-wide
  * heads' registers from 238 to 168 with a few spills, measured 178 µs
- * against 157 at 2048 tokens, 16 heads.) PAIR: the value products of two
- * dim octets a time, so that the hi and lo products into one accumulator
- * are four products apart, not two. */
-template <typename T, int DK, int DV, bool PAIR>
+ * against 157 at 2048 tokens and 16 heads; issuing the value products two
+ * dim octets a time, so that a hi and a lo product into one accumulator
+ * stand four apart, measured no faster.) */
+template <typename T, int DK, int DV>
 __global__ void __launch_bounds__ (128)
 flash_attention_kernel (MoeCudaAttention a)
 {
@@ -230,23 +228,6 @@ flash_attention_kernel (MoeCudaAttention a)
               hi[q] = pack2<T> (h0, h1);
               lo[q] = pack2<T> (p[0] - h0, p[1] - h1);
             }
-          if constexpr (PAIR)
-#pragma unroll
-            for (int np = 0; np < DV / 16; np += 2)
-              {
-                unsigned vb[2][4];
-#pragma unroll
-                for (int i = 0; i < 2; i++)
-                  ldmatrix_x4 (vb[i], vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SV + (np + i) * 16 +
-                                          (lane >> 4) * 8, true);
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                  mma16816<T> (o[2 * np + i], hi, vb[i / 2] + (i % 2) * 2);
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                  mma16816<T> (o[2 * np + i], lo, vb[i / 2] + (i % 2) * 2);
-              }
-          else
 #pragma unroll
           for (int np = 0; np < DV / 16; np++)
             {
@@ -293,9 +274,9 @@ flash_attention_kernel (MoeCudaAttention a)
       }
 }
 
-template <typename T, int DK, int DV, bool PAIR>
+template <typename T, int DK, int DV>
 void
-launch_pair (const MoeCudaAttention *a, cudaStream_t s)
+launch (const MoeCudaAttention *a, cudaStream_t s)
 {
   constexpr int smem = 2 * BK * (DK + 8 + DV + 8) * (int) sizeof (T);
   dim3 grid (a->heads, a->batch, (a->n_tokens + BQ - 1) / BQ);
@@ -303,21 +284,10 @@ launch_pair (const MoeCudaAttention *a, cudaStream_t s)
 
   if (!opted_in)
     {
-      cudaFuncSetAttribute (flash_attention_kernel<T, DK, DV, PAIR>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      cudaFuncSetAttribute (flash_attention_kernel<T, DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       opted_in = true;
     }
-  flash_attention_kernel<T, DK, DV, PAIR><<<grid, 128, smem, s>>> (*a);
-}
-
-template <typename T, int DK, int DV>
-void
-launch (const MoeCudaAttention *a, cudaStream_t s)
-{
-  static int pair = getenv ("MOE_CUDA_FLASH_PAIR") ? atoi (getenv ("MOE_CUDA_FLASH_PAIR")) : 1;
-  if (pair)
-    launch_pair<T, DK, DV, true> (a, s);
-  else
-    launch_pair<T, DK, DV, false> (a, s);
+  flash_attention_kernel<T, DK, DV><<<grid, 128, smem, s>>> (*a);
 }
 
 template <typename T>
