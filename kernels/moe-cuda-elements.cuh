@@ -103,8 +103,8 @@ mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
  * start only once the one before it has drained. A kernel started by
  * launch_overlapped () may begin while the one before it on the stream
  * still runs: it calls pdl_wait () before it reads anything an earlier
- * kernel wrote or writes anything one reads (it may read weights, or ask
- * L2 for them, before that), and pdl_release () to let the next kernel
+ * kernel wrote or writes anything one reads (it may read weights before
+ * that), and pdl_release () to let the next kernel
  * begin as soon as all of its own blocks run. Both are no-ops before
  * sm_90 and in kernels launched the plain way. */
 __device__ __forceinline__ void
@@ -120,16 +120,6 @@ pdl_release ()
 {
 #if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile ("griddepcontrol.launch_dependents;\n");
-#endif
-}
-
-/* @bytes (a multiple of 16) from 16-byte aligned @p into L2, without
- * waiting for them */
-__device__ __forceinline__ void
-prefetch_l2 (const void *p, unsigned bytes)
-{
-#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile ("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(p), "r"(bytes) : "memory");
 #endif
 }
 
