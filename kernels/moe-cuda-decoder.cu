@@ -133,8 +133,7 @@ template <typename T>
 __global__ void
 embed_kernel (const T *table, const int64_t *ids, int width, T *out)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   const T *src = table + ids[blockIdx.x] * (size_t) width;
   T *dst = out + blockIdx.x * (size_t) width;
 #pragma unroll 8
@@ -153,8 +152,7 @@ __global__ void
 rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int in_stride, const float *w,
                  float eps, int weight_last, T *y, int out_stride)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   size_t r = blockIdx.x / groups, g = blockIdx.x % groups;
   T *xr = x + r * in_stride + g * group_stride;
   T *yr = y + r * out_stride + g * group_stride;
@@ -217,8 +215,7 @@ __global__ void
 rope_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *positions, const float *inv_freq,
              int rope_dim, float scale)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   int half = rope_dim / 2;
   float pos = (float) positions[blockIdx.x];
   T *row = x + blockIdx.x * (size_t) row_stride;
@@ -258,8 +255,7 @@ __global__ void
 rope_interleaved_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *positions,
                          const float *inv_freq, int rope_dim, float scale)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   int half = rope_dim / 2;
   float pos = (float) positions[blockIdx.x];
 
@@ -291,8 +287,7 @@ store_kv_kernel (int n_tokens, int kv_heads,
                  const T *v, int v_row, int v_head, int dv,
                  T *k_cache, T *v_cache, int capacity, int past, const int *past_dev)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   const int row = blockIdx.x;
   if (past_dev != nullptr)
     past = *past_dev;
@@ -327,8 +322,7 @@ template <typename T>
 __global__ void
 attention_kernel (MoeCudaAttention a)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   extern __shared__ float sm[];
   float *qs = sm, *score = sm + a.dk;
   int row = blockIdx.x, h = blockIdx.y;
@@ -545,8 +539,7 @@ template <typename T>
 __global__ void
 route_kernel (MoeCudaRouter r)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   extern __shared__ int64_t route_sm[];
   int E = r.num_experts, K = r.top_k;
   /* the choice and its weights built in shared memory, written out at the
@@ -730,8 +723,7 @@ gemv_kernel (MoeCudaGemv a)
   /* (Asking L2 for the weight rows here, before the wait, measured slower:
    * 13.4 µs against 11.7 for the shared expert's down GEMV at batch 1,
    * Nsight Compute.) */
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   if (n >= a.out)
     return;
   warp_dot<T, R> (W + (size_t) n * a.in, x, a.ldx, a.in, vec, acc);
@@ -788,8 +780,7 @@ template <typename T, int V>
 __global__ void
 act_mul_kernel (T *gu, int width, int row_stride, int act)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   T *g = gu + blockIdx.x * (size_t) row_stride;
   zip_vec<T, V> (g, g + width, width,
                  [act] (T gv, T uv) { return from_f<T> (rnd<T> (activate (act, to_f (gv))) * to_f (uv)); });
@@ -799,8 +790,7 @@ template <typename T, int V>
 __global__ void
 add_gated_kernel (T *y, const T *s, const T *gate, int width)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   const float g = gate != nullptr ? rnd<T> (1.0f / (1.0f + expf (-to_f (gate[blockIdx.x])))) : 1.0f;
   const bool gated = gate != nullptr;
   zip_vec<T, V> (y + blockIdx.x * (size_t) width, s + blockIdx.x * (size_t) width, width, [g, gated] (T yv, T sv) {
@@ -815,8 +805,7 @@ template <typename T, int V>
 __global__ void
 bias_rows_kernel (const T *bias, int width, T *y)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   copy_vec<T, V> (y + blockIdx.x * (size_t) width, bias, width);
 }
 
@@ -845,8 +834,7 @@ argmax_step (float &v, int &i, int o)
 __global__ void __launch_bounds__ (1024)
 argmax_kernel (const float *x, int n, int64_t *out)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   __shared__ float best_v[32];
   __shared__ int best_i[32];
   const float *row = x + (size_t) blockIdx.x * n;

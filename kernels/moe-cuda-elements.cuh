@@ -9,12 +9,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <type_traits>
+
 #ifndef MOE_JIT
 # include <cstdlib>
 # include <cstring>
-#endif
-
-#ifndef MOE_JIT
 # include "moe-cuda-experts.h"   /* MOE_CUDA_* */
 #endif
 
@@ -102,24 +100,16 @@ mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
  * A decode step is a chain of short kernels, each of which would otherwise
  * start only once the one before it has drained. A kernel started by
  * launch_overlapped () may begin while the one before it on the stream
- * still runs: it calls pdl_wait () before it reads anything an earlier
- * kernel wrote or writes anything one reads (it may read weights before
- * that), and pdl_release () to let the next kernel
- * begin as soon as all of its own blocks run. Both are no-ops before
- * sm_90 and in kernels launched the plain way. */
+ * still runs, so it calls pdl_begin () before it touches memory: that lets
+ * the next kernel begin as soon as all of this one's blocks run, then waits
+ * for the kernels before to finish. A no-op before sm_90 and in kernels
+ * launched the plain way. */
 __device__ __forceinline__ void
-pdl_wait ()
-{
-#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile ("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void
-pdl_release ()
+pdl_begin ()
 {
 #if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile ("griddepcontrol.launch_dependents;\n");
+  asm volatile ("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
 

@@ -159,8 +159,7 @@ template <typename T, typename TA, int MODE, int WF>
 __global__ void __launch_bounds__ (256)
 rowwise (MoeCudaExperts p, const TA *src_rows, T *h, T *y)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   extern __shared__ float xs[];
   const int pair = blockIdx.x, E = p.num_experts;
   const long long id = p.ids[pair];
@@ -288,8 +287,7 @@ template <typename T, bool EAGER>
 __global__ void __launch_bounds__ (256)
 combine (MoeCudaExperts p, const T *y)
 {
-  pdl_release ();
-  pdl_wait ();
+  pdl_begin ();
   __shared__ float wk[64];
   __shared__ int live[64], order[64];
   const int t = blockIdx.x, K = p.top_k, H = p.hidden, E = p.num_experts;
