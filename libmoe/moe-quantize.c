@@ -586,7 +586,10 @@ moe_quantize_checkpoint (const char      *source,
         {
           g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
                        "%s: fused expert tensors (%s) are not quantized; libmoe quantizes per-expert "
-                       "checkpoints (….experts.N.gate_proj.weight)", source, names[i]);
+                       "checkpoints (….experts.N.gate_proj.weight). (transformers' FP8 experts cannot "
+                       "hold GPT-OSS's biased, interleaved experts at all; Qwen3-VL-MoE's would be "
+                       "written fused as [E, 2I, H] and [E, H, I], which libmoe does not do yet)",
+                       source, names[i]);
           out_entry_free (o);
           return FALSE;
         }

@@ -45,6 +45,11 @@ typedef struct {
   int                   prefill_attention_tokens;   /* steps of this many tokens or more: flash kernel or GEMMs */
   gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
   gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
+  /* GEMV-sized steps run the shared expert's gate and up projections here,
+   * beside the router and the routed experts; NULL: all on the device's
+   * stream (MOE_CUDA_SIDE_STREAM=0) */
+  cudaStream_t          side;
+  cudaEvent_t           fork, join;
 } Decoder;
 
 typedef struct {
@@ -193,6 +198,12 @@ moe_cuda_decoder_free (MoeDevice *device,
   g_clear_object (&d->lm_head);
   g_clear_object (&d->final_norm);
   g_clear_object (&d->inv_freq);
+  if (d->side != NULL)
+    {
+      cudaEventDestroy (d->fork);
+      cudaEventDestroy (d->join);
+      cudaStreamDestroy (d->side);
+    }
   g_free (d);
 }
 
@@ -223,6 +234,14 @@ moe_cuda_decoder_new (MoeDevice      *device,
                                 ? MAX (atoi (g_getenv ("MOE_CUDA_PREFILL_ATTENTION_TOKENS")), 1) : 16;
   d->trace = g_getenv ("MOE_CUDA_TRACE") != NULL;
   d->graphs = g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 && !d->trace;
+  if (m->has_shared && g_strcmp0 (g_getenv ("MOE_CUDA_SIDE_STREAM"), "0") != 0 &&
+      (cudaStreamCreateWithFlags (&d->side, cudaStreamNonBlocking) != cudaSuccess ||
+       cudaEventCreateWithFlags (&d->fork, cudaEventDisableTiming) != cudaSuccess ||
+       cudaEventCreateWithFlags (&d->join, cudaEventDisableTiming) != cudaSuccess))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_FAILED, "CUDA: could not create the decoder's side stream");
+      goto fail;
+    }
   if (m->dtype != MOE_DTYPE_F32 && m->dtype != MOE_DTYPE_BF16 && m->dtype != MOE_DTYPE_F16)
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_DTYPE_MISMATCH,
@@ -410,8 +429,11 @@ cuda_type (int dtype)
  * rounding to the model dtype (y starts as the bias and the GEMM adds to
  * it, beta = 1); @f32: y stays float32, unrounded, and there is no bias
  * (the router's). A few rows (decode) run as GEMVs, more on cuBLAS. */
+/* y = x·wᵀ (+ b): GEMVs on @stream for a few rows, else cuBLAS on the
+ * device's stream (which @stream must then be) */
 static MoeTensor *
-project (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32, GError **error)
+project_on (Decoder *d, cudaStream_t stream, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32,
+            GError **error)
 {
   g_autoptr(MoeTensor) y = f32 ? new_f32 (d, rows, lin->out, error) : new_act (d, rows, lin->out, error);
   const float one = 1.0f, zero = 0.0f;
@@ -426,9 +448,10 @@ project (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboo
         .dtype = d->dtype, .w = DATA (lin->weight), .out = lin->out, .in = lin->in, .rows = rows,
         .x = DATA (x), .ldx = ldx, .bias = OPT (lin->bias), .y = DATA (y), .y_f32 = f32,
       };
-      moe_cuda_gemv (&g, d->dev->stream);
+      moe_cuda_gemv (&g, stream);
       return g_steal_pointer (&y);
     }
+  g_assert (stream == d->dev->stream);
   if (lin->bias != NULL)
     moe_cuda_bias_rows (d->dtype, DATA (lin->bias), rows, lin->out, DATA (y), d->dev->stream);
   g_mutex_lock (&d->dev->lock);
@@ -445,6 +468,12 @@ project (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboo
       return NULL;
     }
   return g_steal_pointer (&y);
+}
+
+static MoeTensor *
+project (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32, GError **error)
+{
+  return project_on (d, d->dev->stream, lin, x, ldx, rows, f32, error);
 }
 
 static MoeTensor *
@@ -768,10 +797,47 @@ attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
   return a ? linear (d, &L->o, a, m->heads * dv, rows, error) : NULL;
 }
 
+/* The GEMV form of a dense MLP or shared expert, for a few rows, in two
+ * halves (a shared expert's first may run on the side stream): h =
+ * act(gate(x)) · up(x) on @stream, in the GEMV's epilogue … */
+static MoeTensor *
+gemv_gate_up (Decoder *d, cudaStream_t stream, const DevLayer *L, MoeTensor *x, int rows, GError **error)
+{
+  int inter = L->gate_up.out / 2, H = d->m->hidden;
+  g_autoptr(MoeTensor) h = new_act (d, rows, inter, error);
+
+  if (h == NULL)
+    return NULL;
+  MoeCudaGemv gu = {
+    .dtype = d->dtype, .w = DATA (L->gate_up.weight), .out = inter, .in = H, .rows = rows,
+    .x = DATA (x), .ldx = H, .bias = OPT (L->gate_up.bias), .y = DATA (h),
+    .gated = TRUE, .activation = d->m->act_fn,
+  };
+  moe_cuda_gemv (&gu, stream);
+  return g_steal_pointer (&h);
+}
+
+/* … then down(h) into a new tensor, or added to @into (the routed
+ * experts' output; times sigmoid(@gate) where the model gates it) */
+static MoeTensor *
+gemv_down (Decoder *d, const DevLayer *L, MoeTensor *h, int rows, MoeTensor *into, MoeTensor *gate, GError **error)
+{
+  int inter = L->gate_up.out / 2, H = d->m->hidden;
+  g_autoptr(MoeTensor) y = into ? g_object_ref (into) : new_act (d, rows, H, error);
+
+  if (y == NULL)
+    return NULL;
+  MoeCudaGemv down = {
+    .dtype = d->dtype, .w = DATA (L->down.weight), .out = H, .in = inter, .rows = rows,
+    .x = DATA (h), .ldx = inter, .y = DATA (y), .add = into != NULL, .gate = OPT (gate), .gate_stride = 1,
+  };
+  moe_cuda_gemv (&down, d->dev->stream);
+  return g_steal_pointer (&y);
+}
+
 /* act(gate(x)) · up(x), then down: a dense MLP, or the shared expert added
- * to @into (the routed experts' output; times sigmoid(@gate) where the
- * model gates it). A few rows: two GEMVs with those steps in their
- * epilogues; more: cuBLAS and two small kernels. */
+ * to @into (as gemv_down). A few rows: the two GEMVs; more: cuBLAS and two
+ * small kernels. */
 static MoeTensor *
 mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, MoeTensor *gate, GError **error)
 {
@@ -780,23 +846,8 @@ mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, Moe
 
   if (rows <= d->gemv_rows)
     {
-      g_autoptr(MoeTensor) h = new_act (d, rows, inter, error);
-      g_autoptr(MoeTensor) y = into ? g_object_ref (into) : (h ? new_act (d, rows, H, error) : NULL);
-      MoeCudaGemv gu = {
-        .dtype = d->dtype, .w = y ? DATA (L->gate_up.weight) : NULL, .out = inter, .in = H, .rows = rows,
-        .x = DATA (x), .ldx = H, .bias = OPT (L->gate_up.bias), .y = y ? DATA (h) : NULL,
-        .gated = TRUE, .activation = d->m->act_fn,
-      };
-      MoeCudaGemv down = {
-        .dtype = d->dtype, .w = y ? DATA (L->down.weight) : NULL, .out = H, .in = inter, .rows = rows,
-        .x = y ? DATA (h) : NULL, .ldx = inter, .y = y ? DATA (y) : NULL,
-        .add = into != NULL, .gate = OPT (gate), .gate_stride = 1,
-      };
-      if (y == NULL)
-        return NULL;
-      moe_cuda_gemv (&gu, stream);
-      moe_cuda_gemv (&down, stream);
-      return g_steal_pointer (&y);
+      g_autoptr(MoeTensor) h = gemv_gate_up (d, stream, L, x, rows, error);
+      return h ? gemv_down (d, L, h, rows, into, gate, error) : NULL;
     }
   {
     g_autoptr(MoeTensor) gu = linear (d, &L->gate_up, x, H, rows, error);
@@ -828,28 +879,48 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **err
     .routed_scale = m->routed_scale, .n_group = m->n_group, .topk_group = m->topk_group,
   };
 
-  if (w == NULL || (logits = project (d, &L->router, x, m->hidden, rows, TRUE, error)) == NULL)
-    return NULL;
-  r.logits = DATA (logits);
-  r.bias = OPT (L->router_bias);
-  r.score_bias = OPT (L->score_bias);
-  r.ids = DATA (ids);
-  r.weights = DATA (w);
-  moe_cuda_route (&r, d->dev->stream);
-  trace_mark (tr, d->dev->stream, PART_ROUTER);
+  cudaStream_t stream = d->dev->stream;
+  /* a few rows: the shared expert's gate and up GEMVs (reading the same x)
+   * on the side stream, beside the router and the routed experts, whose
+   * output its down GEMV then adds to (one GEMV alone leaves the memory
+   * part idle: too few bytes in flight) */
+  const gboolean side = m->has_shared && d->side != NULL && rows <= d->gemv_rows;
+  g_autoptr(MoeTensor) gate = NULL, h = NULL;
 
-  y = moe_experts_forward (m->layer[li].experts, x, ids, w, error);
-  if (y == NULL)
+  if (w == NULL)
     return NULL;
-  trace_mark (tr, d->dev->stream, PART_EXPERTS);
-  if (m->has_shared)
+  if (side)
     {
-      g_autoptr(MoeTensor) gate = NULL, sum = NULL;
-      if (m->shared_gated && (gate = linear (d, &L->shared_gate, x, m->hidden, rows, error)) == NULL)
-        return NULL;
-      if ((sum = mlp (d, L, x, rows, y, gate, error)) == NULL)
-        return NULL;
+      cudaEventRecord (d->fork, stream);
+      cudaStreamWaitEvent (d->side, d->fork, 0);
+      if (!m->shared_gated || (gate = project_on (d, d->side, &L->shared_gate, x, m->hidden, rows, FALSE, error)))
+        h = gemv_gate_up (d, d->side, L, x, rows, error);
+      /* joined on every path: a capture must not end with a fork open */
+      cudaEventRecord (d->join, d->side);
     }
+  if ((!side || h != NULL) && (logits = project (d, &L->router, x, m->hidden, rows, TRUE, error)) != NULL)
+    {
+      r.logits = DATA (logits);
+      r.bias = OPT (L->router_bias);
+      r.score_bias = OPT (L->score_bias);
+      r.ids = DATA (ids);
+      r.weights = DATA (w);
+      moe_cuda_route (&r, stream);
+      trace_mark (tr, stream, PART_ROUTER);
+      if ((y = moe_experts_forward (m->layer[li].experts, x, ids, w, error)) != NULL)
+        trace_mark (tr, stream, PART_EXPERTS);
+    }
+  if (side)
+    cudaStreamWaitEvent (stream, d->join, 0);
+  if (y == NULL || !m->has_shared)
+    return g_steal_pointer (&y);
+  if (!side && m->shared_gated && (gate = linear (d, &L->shared_gate, x, m->hidden, rows, error)) == NULL)
+    return NULL;
+  {
+    g_autoptr(MoeTensor) sum = side ? gemv_down (d, L, h, rows, y, gate, error) : mlp (d, L, x, rows, y, gate, error);
+    if (sum == NULL)
+      return NULL;
+  }
   return g_steal_pointer (&y);
 }
 
