@@ -665,9 +665,16 @@ launch_tma (const void *kernel, long tiles, size_t smem, const void *a, int es, 
   if ((msg = make_tensor_map (&ta, a, es, a_rows, k, TM_BM)) != nullptr ||
       (msg = make_tensor_map (&tb, w, es, w_rows, k, w_box_rows)) != nullptr)
     return msg;
-  err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
+  /* persistent: one CTA an SM (what the shared memory allows), each
+   * taking tiles until they run out */
+  int device, sms = 0;
+  err = cudaGetDevice (&device);
   if (err == cudaSuccess)
-    err = cudaLaunchKernel (kernel, dim3 ((unsigned) tiles), dim3 (TM_THREADS), args, smem, s);
+    err = cudaDeviceGetAttribute (&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
+  if (err == cudaSuccess)
+    err = cudaLaunchKernel (kernel, dim3 ((unsigned) (tiles < sms ? tiles : sms)), dim3 (TM_THREADS), args, smem, s);
   return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
 }
 

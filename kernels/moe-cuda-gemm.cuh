@@ -650,17 +650,6 @@ wgmma_m64n256 (float d[128], uint64_t da, uint64_t db)
  * warp whose 16 rows start at row - lane / 4 holds, for each 8-column
  * block j, columns 8j + 2(lane % 4) + {0, 1} of its row and of row + 8. */
 
-/* Keeps the compiler from touching accumulator registers across a wgmma
- * issue or wait (they are written asynchronously in between). */
-template <int N>
-__device__ __forceinline__ void
-fence_regs (float (&r)[N])
-{
-#pragma unroll
-  for (int i = 0; i < N; i++)
-    asm volatile ("" : "+f"(r[i]) :: "memory");
-}
-
 /* FP8: one 128-wide K block's products into the float accumulators, times
  * the rows' activation scales and the columns' weight scales (sc: the
  * tile's BM row scales, then its column scales). */
@@ -835,6 +824,51 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
  * Needs 16-byte aligned rows (H·size and I·size multiples of 16). */
 constexpr int TM_BM = 128, TM_THREADS = 384;
 
+/* The persistent GEMM's epilogue: each consumer warpgroup drains its 64 ×
+ * BN accumulators through a buffer of its own (the ring is already
+ * filling with the next tile's operands), TM_EPI_COLS columns at a time,
+ * with tile_epilogue's one compact loop. (Straight from the registers,
+ * every output's epilogue unrolled, measured 40-60% slower: the code
+ * outgrew the instruction cache.) */
+constexpr int TM_EPI_COLS = 32, TM_EPI_LD = TM_EPI_COLS + 4;
+constexpr int TM_EPI_BYTES = 64 * TM_EPI_LD * 4;
+
+template <typename T, int MODE, int N>
+__device__ __forceinline__ void
+drain_accumulators (const MoeCudaExperts &p, const Route &r, const float (&d)[N / 2], float *buf, int cw,
+                    int nt, const Tile &t, void *dst)
+{
+  /* a chunk of split gate/up columns: 16 gates and their 16 ups */
+  const bool split = MODE == MODE_GATE_UP && p.has_gate && !p.interleaved;
+  const int lane = threadIdx.x % 32, row = (threadIdx.x % 128) / 32 * 16 + lane / 4, c0 = (lane % 4) * 2;
+  const Tile mine = { t.e, t.row0 + cw * 64, t.rows - cw * 64 };
+
+  if (mine.rows <= 0)   /* the same for the whole warpgroup */
+    return;
+  for (int q = 0; q < N / TM_EPI_COLS; q++)
+    {
+      /* the accumulators' 8-column blocks of chunk q (d indexed by
+       * constants only: it stays in registers) */
+#pragma unroll
+      for (int j = 0; j < N / 8; j++)
+        {
+          const int chunk = split ? (j % (N / 16)) / 2 : j / 4;
+          const int pos = split ? (j >= N / 16) * 2 + j % 2 : j % 4;
+          if (chunk != q)
+            continue;
+          float *at = buf + row * TM_EPI_LD + pos * 8 + c0;
+          at[0] = d[4 * j];
+          at[1] = d[4 * j + 1];
+          at[8 * TM_EPI_LD] = d[4 * j + 2];
+          at[8 * TM_EPI_LD + 1] = d[4 * j + 3];
+        }
+      asm volatile ("bar.sync %0, 128;\n" :: "r"(2 + cw) : "memory");
+      tile_epilogue<T, MODE> (p, r, buf, TM_EPI_LD, 64, TM_EPI_COLS, nt * (N / TM_EPI_COLS) + q, mine, dst,
+                              threadIdx.x % 128, 128);
+      asm volatile ("bar.sync %0, 128;\n" :: "r"(2 + cw) : "memory");
+    }
+}
+
 /* n-tiles of 128 columns (FP8, whose per-block partial sums take as many
  * registers again) or 256 (bf16/f16: half the tiles, so half the pipeline
  * fills and epilogues per FLOP) */
@@ -842,8 +876,7 @@ template <int BN_>
 struct TmaTile {
   static constexpr int BN = BN_, STAGES = BN == 256 ? 4 : 5;
   static constexpr int STAGE_BYTES = (TM_BM + BN) * WG_ROW_BYTES;
-  static constexpr size_t SMEM = (size_t) STAGES * STAGE_BYTES + 1024;
-  static_assert ((size_t) TM_BM * (BN + 4) * 4 <= (size_t) STAGES * STAGE_BYTES, "the epilogue stages in the ring");
+  static constexpr size_t SMEM = (size_t) STAGES * STAGE_BYTES + 1024 + 2 * TM_EPI_BYTES;
 };
 
 template <bool FP8>
@@ -905,18 +938,18 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
   __shared__ float s_scale[FP8 ? STAGES : 1][TM_BM + BN];   /* FP8: rows', then columns' */
-  __shared__ int b_row[BN];
-  __shared__ int b_scale[FP8 ? BN : 1];   /* FP8: where each column's weight scales start, or -1 */
   unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
-  const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
   const int K = KC != 0 ? KC : (MODE != MODE_GATE_UP ? p.inter : p.hidden);
   const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
   const int ktiles = (K + BK - 1) / BK;
   const size_t S = (size_t) p.tokens * p.top_k;   /* rows of a_scale */
+  /* Persistent: CTA b takes tiles b, b + grid, … (n-tiles fastest, so the
+   * CTAs in flight share their m-tiles' rows of A) until they run past
+   * the routed rows. Every thread walks the same tiles, and the ring's
+   * stages and phases run on across them (it counts k-steps so far). */
   Tile t;
+  auto tile_at = [&] (int tile) { return find_tile (r, p.num_experts, TM_BM, tile / n_tiles, &t); };
 
-  if (!find_tile (r, p.num_experts, TM_BM, mt, &t))
-    return;
   if (threadIdx.x == 0)
     {
       for (int s = 0; s < STAGES; s++)
@@ -926,12 +959,6 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
           mbar_init (&empty[s], 256);
         }
       asm volatile ("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-  for (int c = threadIdx.x; c < BN; c += blockDim.x)
-    {
-      b_row[c] = tile_weight_row<MODE> (p, BN, nt, c);
-      if (FP8)
-        b_scale[c] = b_row[c] >= 0 ? fp8_scale_row<MODE> (p, t.e, b_row[c]) : -1;
     }
   __syncthreads ();
 
@@ -948,12 +975,13 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       const int lane = threadIdx.x;
       /* the tile's weight rows: one box, or the gate and up halves apart */
       const bool split = MODE == MODE_GATE_UP && p.has_gate && !p.interleaved;
-      const int wrow0 = t.e * nw + (split ? nt * (BN / 2) : b_row[0] >= 0 ? b_row[0] : 0);
       /* FP8: each lane's share of a stage's scales (the rows', then the
        * columns'), loaded a stage ahead so their latency hides behind the
-       * wait for a free stage */
+       * wait for a free stage; a column's come from where its weight row's
+       * scales start (b_scale, -1 past the end) */
       constexpr int PER_LANE = FP8 ? (TM_BM + BN) / 32 : 1;
       float next[PER_LANE];
+      int b_scale[PER_LANE];
       auto load_scales = [&] (int kt) {
 #pragma unroll
         for (int j = 0; j < PER_LANE; j++)
@@ -962,127 +990,116 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
             if (i < TM_BM)
               next[j] = i < t.rows ? a_scale[(size_t) kt * S + t.row0 + i] : 0.0f;
             else
-              next[j] = b_scale[i - TM_BM] >= 0 ? fp8_scale_at<MODE> (p, b_scale[i - TM_BM] + kt) : 0.0f;
+              next[j] = b_scale[j] >= 0 ? fp8_scale_at<MODE> (p, b_scale[j] + kt) : 0.0f;
           }
       };
-      if (FP8)
-        load_scales (0);
-      for (int kt = 0; kt < ktiles; kt++)
+      for (int tile = blockIdx.x, it = 0; tile_at (tile); tile += gridDim.x)
         {
-          const int s = kt % STAGES;
-          if (kt >= STAGES)
-            mbar_wait (&empty[s], ((kt / STAGES) + 1) & 1);
+          const int nt = tile % n_tiles, row0 = tile_weight_row<MODE> (p, BN, nt, 0);
+          const int wrow0 = t.e * nw + (split ? nt * (BN / 2) : row0 >= 0 ? row0 : 0);
           if (FP8)
             {
 #pragma unroll
               for (int j = 0; j < PER_LANE; j++)
-                s_scale[s][lane + 32 * j] = next[j];
-              if (kt + 1 < ktiles)
-                load_scales (kt + 1);
-              if (lane != 0)
-                mbar_arrive (&full[s]);
-            }
-          if (lane == 0)
-            {
-              mbar_expect_tx (&full[s], STAGE_BYTES);
-              tma_load (stage_a (s), ta, &full[s], kt * BK, t.row0);
-              if (split)
                 {
-                  tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
-                  tma_load (stage_b (s) + (BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK, wrow0 + p.inter);
+                  const int c = lane + 32 * j - TM_BM, row = c >= 0 ? tile_weight_row<MODE> (p, BN, nt, c) : -1;
+                  b_scale[j] = row >= 0 ? fp8_scale_row<MODE> (p, t.e, row) : -1;
                 }
-              else
-                tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
+              load_scales (0);
+            }
+          for (int kt = 0; kt < ktiles; kt++, it++)
+            {
+              const int s = it % STAGES;
+              if (it >= STAGES)
+                mbar_wait (&empty[s], ((it / STAGES) + 1) & 1);
+              if (FP8)
+                {
+#pragma unroll
+                  for (int j = 0; j < PER_LANE; j++)
+                    s_scale[s][lane + 32 * j] = next[j];
+                  if (kt + 1 < ktiles)
+                    load_scales (kt + 1);
+                  if (lane != 0)
+                    mbar_arrive (&full[s]);
+                }
+              if (lane == 0)
+                {
+                  mbar_expect_tx (&full[s], STAGE_BYTES);
+                  tma_load (stage_a (s), ta, &full[s], kt * BK, t.row0);
+                  if (split)
+                    {
+                      tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
+                      tma_load (stage_b (s) + (BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK, wrow0 + p.inter);
+                    }
+                  else
+                    tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
+                }
             }
         }
       return;
     }
 
   asm volatile ("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int cw = wg - 1, ctid = threadIdx.x - 128;
+  const int cw = wg - 1;
   const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
-  /* A warpgroup whose 64 rows all lie past the expert's last one (the tail
-   * tile of an expert with 129…192 rows) issues no products. (Measured no
-   * faster at 137 rows an expert: these tiles are bound by their operand
-   * loads from L2, which stay the same, not by the tensor cores.) */
-  const bool idle = cw * 64 >= t.rows;
+  const int row = cw * 64 + warp_in_wg * 16 + lane / 4;   /* of the tile: this thread's first */
+  auto wait_full = [&] (int it) { mbar_wait (&full[it % STAGES], (it / STAGES) & 1); };
+  auto stage_a_mine = [&] (int it) { return stage_a (it % STAGES) + cw * 64 * WG_ROW_BYTES; };
   float d[BN / 2];
-#pragma unroll
-  for (int i = 0; i < BN / 2; i++)
-    d[i] = 0.0f;
-  auto wait_full = [&] (int kt) { mbar_wait (&full[kt % STAGES], (kt / STAGES) & 1); };
-  auto stage_a_mine = [&] (int kt) { return stage_a (kt % STAGES) + cw * 64 * WG_ROW_BYTES; };
 
-  if (idle)
-    for (int kt = 0; kt < ktiles; kt++)
-      {
-        /* in step with the ring all the same: the producer counts on both
-         * warpgroups handing each stage back */
-        wait_full (kt);
-        mbar_arrive (&empty[kt % STAGES]);
-      }
-  else if constexpr (FP8)
+  for (int tile = blockIdx.x, it0 = 0; tile_at (tile); tile += gridDim.x, it0 += ktiles)
     {
-      /* Two sets of a block's partial sums: block kt+1's products run on
-       * the tensor cores while block kt's are scaled into d (one set
-       * left them idle during every promotion). */
-      float pa[64], pb[64];
-      auto issue = [&] (int kt, float (&part)[64]) {
-        wait_full (kt);
-        unsigned char *sa = stage_a_mine (kt), *sb = stage_b (kt % STAGES);
-        asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
-        fence_regs (part);
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-          wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
-        asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      };
-      auto retire = [&] (int kt, float (&part)[64], float (&next)[64]) {
-        if (kt + 1 < ktiles)
-          {
-            issue (kt + 1, next);
-            asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-          }
-        else
-          asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        fence_regs (part);
-        promote_fp8<TM_BM> (d, part, s_scale[kt % STAGES], cw * 64 + warp_in_wg * 16 + lane / 4, lane);
-        mbar_arrive (&empty[kt % STAGES]);
-      };
-      issue (0, pa);
-      for (int kt = 0; kt < ktiles; kt += 2)
+      for (int i = 0; i < BN / 2; i++)
+        d[i] = 0.0f;
+
+      if constexpr (FP8)
         {
-          retire (kt, pa, pb);
-          if (kt + 1 < ktiles)
-            retire (kt + 1, pb, pa);
-        }
-    }
-  else
-    for (int kt = 0; kt < ktiles; kt++)
-      {
-        wait_full (kt);
-        unsigned char *sa = stage_a_mine (kt), *sb = stage_b (kt % STAGES);
-        asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+          /* One block's partial sums, scaled into d once its products are
+           * done. (Two sets, the next block's products running during the
+           * scaling, made ptxas serialize every wgmma: it sees the other
+           * set's registers read while products are in flight.) */
+          float part[64];
+          for (int it = it0; it < it0 + ktiles; it++)
+            {
+              wait_full (it);
+              unsigned char *sa = stage_a_mine (it), *sb = stage_b (it % STAGES);
+              asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-        for (int j = 0; j < BK / 16; j++)
-          if constexpr (BN == 256)
-            wgmma_m64n256<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
-          else
-            wgmma_m64n128<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), 1);
-        asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        /* the previous step's products are done: hand its stage back */
-        asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        if (kt > 0)
-          mbar_arrive (&empty[(kt - 1) % STAGES]);
-      }
-  asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-  /* every copy has landed (each stage was waited for): the ring is free */
-  asm volatile ("bar.sync 1, 256;\n" ::: "memory");
-  float *cs = (float *) smem;
-  const int ldc = BN + 4;
-  stage_accumulators<BN> (cs, ldc, d, cw * 64 + warp_in_wg * 16 + lane / 4, lane);
-  asm volatile ("bar.sync 1, 256;\n" ::: "memory");
-  tile_epilogue<T, MODE> (p, r, cs, ldc, TM_BM, BN, nt, t, dst, ctid, 256);
+              for (int j = 0; j < 4; j++)
+                wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+              asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+              asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+              promote_fp8<TM_BM> (d, part, s_scale[it % STAGES], row, lane);
+              mbar_arrive (&empty[it % STAGES]);
+            }
+        }
+      else
+        {
+          for (int it = it0; it < it0 + ktiles; it++)
+            {
+              wait_full (it);
+              unsigned char *sa = stage_a_mine (it), *sb = stage_b (it % STAGES);
+              asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+              for (int j = 0; j < BK / 16; j++)
+                if constexpr (BN == 256)
+                  wgmma_m64n256<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
+                else
+                  wgmma_m64n128<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), 1);
+              asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+              /* the previous step's products are done: hand its stage back */
+              asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+              if (it > it0)
+                mbar_arrive (&empty[(it - 1) % STAGES]);
+            }
+          asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          mbar_arrive (&empty[(it0 + ktiles - 1) % STAGES]);
+        }
+      /* while the producer fills the ring with the next tile's operands */
+      drain_accumulators<T, MODE, BN> (p, r, d, (float *) (smem + STAGES * STAGE_BYTES) + cw * 64 * TM_EPI_LD, cw,
+                                       tile % n_tiles, t, dst);
+    }
 #else
   __trap ();
 #endif
