@@ -428,9 +428,8 @@ cuda_type (int dtype)
  * as torch's linear: float32 accumulation, the bias added before the one
  * rounding to the model dtype (y starts as the bias and the GEMM adds to
  * it, beta = 1); @f32: y stays float32, unrounded, and there is no bias
- * (the router's). A few rows (decode) run as GEMVs, more on cuBLAS. */
-/* y = x·wᵀ (+ b): GEMVs on @stream for a few rows, else cuBLAS on the
- * device's stream (which @stream must then be) */
+ * (the router's). A few rows (decode) run as GEMVs on @stream, more on
+ * cuBLAS on the device's stream (which @stream must then be). */
 static MoeTensor *
 project_on (Decoder *d, cudaStream_t stream, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32,
             GError **error)
