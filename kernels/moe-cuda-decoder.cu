@@ -704,25 +704,55 @@ warp_dot (const T *w, const T *x, int ldx, int in, bool vec, float *acc)
     acc[r] = warp_sum (acc[r]);
 }
 
-/* A warp per output n of a few rows' projection, with its epilogue:
- * GEMV_PLAIN y = x·wᵀ + b; GEMV_GATED (w is [gate; up], 2·out rows)
- * y = act(gate) · up, each rounded as torch; GEMV_ADD y += (sigmoid(gate) ·)
- * x·wᵀ, a shared expert added to the routed experts' output. */
+/* The few-row projections' epilogues, on output n of row r (acc: x·wᵀ, or
+ * the gate's with GEMV_GATED, whose up is @up): GEMV_PLAIN y = x·wᵀ + b;
+ * GEMV_GATED (w is [gate; up], 2·out rows) y = act(gate) · up, each rounded
+ * as torch; GEMV_ADD y += (sigmoid(gate) ·) x·wᵀ, a shared expert added to
+ * the routed experts' output. */
 enum { GEMV_PLAIN, GEMV_GATED, GEMV_ADD };
 
+template <typename T, int EPI>
+__device__ __forceinline__ void
+gemv_store (const MoeCudaGemv &a, int r, int n, float acc, float up)
+{
+  const T *bias = (const T *) a.bias;
+  size_t o = (size_t) r * a.out + n;
+
+  if (EPI == GEMV_GATED)
+    {
+      float g = rnd<T> (acc + (bias ? to_f (bias[n]) : 0.0f));
+      float u = rnd<T> (up + (bias ? to_f (bias[a.out + n]) : 0.0f));
+      ((T *) a.y)[o] = from_f<T> (rnd<T> (activate (a.activation, g)) * u);
+    }
+  else if (EPI == GEMV_ADD)
+    {
+      float v = rnd<T> (acc);
+      if (a.gate != nullptr)
+        v = rnd<T> (rnd<T> (1.0f / (1.0f + expf (-to_f (((const T *) a.gate)[(size_t) r * a.gate_stride])))) * v);
+      ((T *) a.y)[o] = from_f<T> (to_f (((T *) a.y)[o]) + v);
+    }
+  else
+    {
+      float v = acc + (bias ? to_f (bias[n]) : 0.0f);
+      if (a.y_f32)
+        ((float *) a.y)[o] = v;
+      else
+        ((T *) a.y)[o] = from_f<T> (v);
+    }
+}
+
+/* A warp per output n of up to 8 rows, on the CUDA cores: float32 weights,
+ * and rows the tensor-core form below cannot load 16 bytes at a time. */
 template <typename T, int R, int EPI>
 __global__ void __launch_bounds__ (256)
 gemv_kernel (MoeCudaGemv a)
 {
   constexpr int V = 16 / sizeof (T);
   int n = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-  const T *W = (const T *) a.w, *x = (const T *) a.x, *bias = (const T *) a.bias;
+  const T *W = (const T *) a.w, *x = (const T *) a.x;
   bool vec = (((uintptr_t) x | (uintptr_t) W) % 16 == 0) && a.in % V == 0 && a.ldx % V == 0;
   float acc[R] = {}, up[R] = {};
 
-  /* (Asking L2 for the weight rows here, before the wait, measured slower:
-   * 13.4 µs against 11.7 for the shared expert's down GEMV at batch 1,
-   * Nsight Compute.) */
   pdl_begin ();
   if (n >= a.out)
     return;
@@ -733,30 +763,118 @@ gemv_kernel (MoeCudaGemv a)
     return;
 #pragma unroll
   for (int r = 0; r < R; r++)
+    gemv_store<T, EPI> (a, r, n, acc[r], up[r]);
+}
+
+/* The tensor-core form, bf16/f16, up to 8·NT rows: a block of 8 warps
+ * takes 16 outputs (and their 16 up rows when gated); warp w the 32-wide
+ * chunks w, w + 8, … of in, as m16n8k16 products with the weights as A and
+ * the rows as B. A product's k order is free, so a lane loads 8 consecutive
+ * weights of its output (16 bytes, coalesced by 4 lanes into 64) and the
+ * same 8 of its row of x: its A and B fragments for two k16 steps. The
+ * first chunks' weight loads are issued before the wait for the kernels
+ * before (PDL): the weights never depend on them, so a GEMV's reads start
+ * while a short kernel before it still runs. */
+template <typename T, int NT, int EPI>
+__global__ void __launch_bounds__ (256)
+gemv_mma_kernel (MoeCudaGemv a)
+{
+  constexpr int WARPS = 8, M = EPI == GEMV_GATED ? 2 : 1, U = 8 / M;
+  __shared__ float red[WARPS][M][16][8 * NT];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int n0 = blockIdx.x * 16, chunks = (a.in + 31) / 32;
+  const uint4 zero = make_uint4 (0, 0, 0, 0);
+  const uint4 *wrow[M][2], *xrow[NT];
+  bool wok[2], xok[NT];
+  float acc[M][NT][4] = {};
+  uint4 wv[U][M][2], xv[U][NT];
+
+#pragma unroll
+  for (int h = 0; h < 2; h++)
     {
-      size_t o = (size_t) r * a.out + n;
-      if (EPI == GEMV_GATED)
-        {
-          float g = rnd<T> (acc[r] + (bias ? to_f (bias[n]) : 0.0f));
-          float u = rnd<T> (up[r] + (bias ? to_f (bias[a.out + n]) : 0.0f));
-          ((T *) a.y)[o] = from_f<T> (rnd<T> (activate (a.activation, g)) * u);
-        }
-      else if (EPI == GEMV_ADD)
-        {
-          float v = rnd<T> (acc[r]);
-          if (a.gate != nullptr)
-            v = rnd<T> (rnd<T> (1.0f / (1.0f + expf (-to_f (((const T *) a.gate)[(size_t) r * a.gate_stride])))) * v);
-          ((T *) a.y)[o] = from_f<T> (to_f (((T *) a.y)[o]) + v);
-        }
-      else
-        {
-          float v = acc[r] + (bias ? to_f (bias[n]) : 0.0f);
-          if (a.y_f32)
-            ((float *) a.y)[o] = v;
-          else
-            ((T *) a.y)[o] = from_f<T> (v);
-        }
+      int n = n0 + g + 8 * h;
+      wok[h] = n < a.out;
+#pragma unroll
+      for (int m = 0; m < M; m++)
+        wrow[m][h] = (const uint4 *) ((const T *) a.w + ((size_t) m * a.out + (wok[h] ? n : 0)) * a.in + 8 * q);
     }
+#pragma unroll
+  for (int t = 0; t < NT; t++)
+    {
+      xok[t] = g + 8 * t < a.rows;
+      xrow[t] = (const uint4 *) ((const T *) a.x + (size_t) (xok[t] ? g + 8 * t : 0) * a.ldx + 8 * q);
+    }
+
+  auto load_weights = [&] (int j0) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+      {
+        int c = warp + WARPS * (j0 + u);
+        bool in = c * 32 + 8 * q < a.in;
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+          for (int h = 0; h < 2; h++)
+            wv[u][m][h] = in && wok[h] ? __ldg (wrow[m][h] + 4 * c) : zero;
+      }
+  };
+
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile ("griddepcontrol.launch_dependents;\n");
+#endif
+  load_weights (0);
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile ("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  for (int j0 = 0; warp + WARPS * j0 < chunks; j0 += U)
+    {
+      if (j0 > 0)
+        load_weights (j0);
+#pragma unroll
+      for (int u = 0; u < U; u++)
+        {
+          int c = warp + WARPS * (j0 + u);
+          bool in = c * 32 + 8 * q < a.in;
+#pragma unroll
+          for (int t = 0; t < NT; t++)
+            xv[u][t] = in && xok[t] ? __ldg (xrow[t] + 4 * c) : zero;
+        }
+#pragma unroll
+      for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+          for (int t = 0; t < NT; t++)
+            {
+              const uint4 &w0 = wv[u][m][0], &w1 = wv[u][m][1], &x = xv[u][t];
+              const unsigned a0[4] = { w0.x, w1.x, w0.y, w1.y }, b0[2] = { x.x, x.y };
+              const unsigned a1[4] = { w0.z, w1.z, w0.w, w1.w }, b1[2] = { x.z, x.w };
+              mma16816<T> (acc[m][t], a0, b0);
+              mma16816<T> (acc[m][t], a1, b1);
+            }
+    }
+
+  /* the 8 warps' partial sums, then a thread per (output, row) */
+#pragma unroll
+  for (int m = 0; m < M; m++)
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+      for (int i = 0; i < 4; i++)
+        red[warp][m][g + 8 * (i / 2)][8 * t + 2 * q + i % 2] = acc[m][t][i];
+  __syncthreads ();
+  {
+    const int o = threadIdx.x % 16, r = threadIdx.x / 16;
+    float s[M] = {};
+    if (r >= a.rows || r >= 8 * NT || n0 + o >= a.out)
+      return;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++)
+#pragma unroll
+      for (int m = 0; m < M; m++)
+        s[m] += red[w][m][o][r];
+    gemv_store<T, EPI> (a, r, n0 + o, s[0], s[M - 1]);
+  }
 }
 
 /* a[i] = fn (a[i], b[i]) over @n elements, by the block, V at a time */
@@ -1003,16 +1121,43 @@ launch_gemv (const MoeCudaGemv *a, cudaStream_t s)
     }
 }
 
+template <typename T, int EPI>
+void
+launch_gemv_rows (const MoeCudaGemv *a, cudaStream_t s)
+{
+  if constexpr (!std::is_same<T, float>::value)
+    if (((uintptr_t) a->w | (uintptr_t) a->x) % 16 == 0 && a->in % 8 == 0 && a->ldx % 8 == 0)
+      {
+        unsigned blocks = (unsigned) ((a->out + 15) / 16);
+        if (a->rows <= 8)
+          launch_overlapped (gemv_mma_kernel<T, 1, EPI>, blocks, 256, 0, s, *a);
+        else
+          launch_overlapped (gemv_mma_kernel<T, 2, EPI>, blocks, 256, 0, s, *a);
+        return;
+      }
+  /* the CUDA-core form, 8 rows a launch */
+  for (int r0 = 0; r0 < a->rows; r0 += 8)
+    {
+      MoeCudaGemv c = *a;
+      size_t y_elem = a->y_f32 ? sizeof (float) : sizeof (T);
+      c.rows = a->rows - r0 < 8 ? a->rows - r0 : 8;
+      c.x = (const T *) a->x + (size_t) r0 * a->ldx;
+      c.y = (char *) a->y + (size_t) r0 * a->out * y_elem;
+      c.gate = a->gate != nullptr ? (const T *) a->gate + (size_t) r0 * a->gate_stride : nullptr;
+      launch_gemv<T, EPI> (&c, s);
+    }
+}
+
 extern "C" void
 moe_cuda_gemv (const MoeCudaGemv *a, cudaStream_t s)
 {
   DISPATCH (a->dtype,
             if (a->gated)
-              launch_gemv<T, GEMV_GATED> (a, s);
+              launch_gemv_rows<T, GEMV_GATED> (a, s);
             else if (a->add)
-              launch_gemv<T, GEMV_ADD> (a, s);
+              launch_gemv_rows<T, GEMV_ADD> (a, s);
             else
-              launch_gemv<T, GEMV_PLAIN> (a, s));
+              launch_gemv_rows<T, GEMV_PLAIN> (a, s));
 }
 
 extern "C" void

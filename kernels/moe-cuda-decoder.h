@@ -143,10 +143,11 @@ void moe_cuda_add_gated      (int dtype, void *y, const void *s, const void *gat
 void moe_cuda_bias_rows      (int dtype, const void *bias, int rows, int width, void *y, cudaStream_t stream);
 
 /* y [rows, out] = x [rows, in] (rows @ldx apart) · wᵀ (+ bias) for a few
- * rows (≤ MOE_CUDA_GEMV_ROWS): a warp per output, weights read once, at
- * the memory's speed where a GEMM library's tiles would leave most of the
- * GPU idle; with an epilogue that saves a pass over the output. */
-#define MOE_CUDA_GEMV_ROWS 8
+ * rows (≤ MOE_CUDA_GEMV_ROWS): weights read once, at the memory's speed
+ * where a GEMM library's tiles would leave most of the GPU idle (bf16/f16
+ * on the tensor cores, 16 outputs a block; float32 a warp per output); with
+ * an epilogue that saves a pass over the output. */
+#define MOE_CUDA_GEMV_ROWS 16
 typedef struct {
   int dtype;
   const void *w;          /* [out, in]; [2·out, in] (gate; up) with @gated */

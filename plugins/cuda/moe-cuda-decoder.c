@@ -221,11 +221,12 @@ moe_cuda_decoder_new (MoeDevice      *device,
   d->m = m;
   d->dtype = m->dtype;
   d->elem = m->dtype == MOE_DTYPE_F32 ? 4 : 2;
-  /* GEMVs up to 4 rows: measured on the H200 (BENCHMARKS.md), they beat
-   * cuBLAS at batch-1 decode (3.9 against 4.8 ms a step) and lose to it at
-   * batch 8 (9.3 against 8.5 ms). MOE_CUDA_GEMV_ROWS (0…8) moves the split. */
+  /* Projections of a few rows run as GEMVs rather than cuBLAS GEMMs: up to
+   * 16 rows for bf16/f16 (the tensor-core form), 4 for float32 (the
+   * CUDA-core form, measured on the H200 to lose to cuBLAS at 8 rows; see
+   * BENCHMARKS.md). MOE_CUDA_GEMV_ROWS (0…16) moves the split. */
   d->gemv_rows = g_getenv ("MOE_CUDA_GEMV_ROWS") ? CLAMP (atoi (g_getenv ("MOE_CUDA_GEMV_ROWS")), 0, MOE_CUDA_GEMV_ROWS)
-                                                 : 4;
+                 : m->dtype == MOE_DTYPE_F32 ? 4 : 16;
   /* MOE_CUDA_PREFILL_ATTENTION_TOKENS moves the split between the
    * few-query attention kernel and the prefill paths (flash kernel, or
    * GEMMs for float32 and eager attention): the GPU test sets it to 1 to
