@@ -756,6 +756,14 @@ count_experts (MoeCheckpoint *self,
     }
 }
 
+gboolean
+_moe_fused_experts_transposed (const gint64 *u,
+                               const gint64 *d)
+{
+  /* by the pair: with H = 2I gate_up alone is square either way */
+  return !(u[1] == 2 * d[2] && u[2] == d[1]) && (u[2] == 2 * d[1] && u[1] == d[2]);
+}
+
 /**
  * moe_checkpoint_load_experts:
  * @self: a checkpoint
@@ -808,8 +816,7 @@ moe_checkpoint_load_experts (MoeCheckpoint  *self,
       experts = moe_experts_new (up, down);
       u = moe_tensor_get_shape (up, NULL);
       d = moe_tensor_get_shape (down, NULL);
-      if (moe_tensor_get_n_dims (up) == 3 && moe_tensor_get_n_dims (down) == 3 &&
-          !(u[1] == 2 * d[2] && u[2] == d[1]) && (u[2] == 2 * d[1] && u[1] == d[2]))
+      if (moe_tensor_get_n_dims (up) == 3 && moe_tensor_get_n_dims (down) == 3 && _moe_fused_experts_transposed (u, d))
         moe_experts_set_is_transposed (experts, TRUE);
       if (g_hash_table_contains (self->entries, up_bias_key))
         {

@@ -73,6 +73,11 @@ G_END_DECLS
 #include <json-glib/json-glib.h>
 
 G_BEGIN_DECLS
+/* Whether fused experts gate_up [E, ·, ·] and down [E, ·, ·] are stored
+ * transposed ([E, H, 2I] and [E, I, H], as Qwen3-VL-MoE's checkpoints)
+ * rather than as transformers holds them ([E, 2I, H] and [E, H, I]). */
+gboolean    _moe_fused_experts_transposed (const gint64 *up,
+                                           const gint64 *down);
 gboolean    _moe_checkpoint_check_file  (const char  *dir,
                                          const char  *name,
                                          GError     **error);

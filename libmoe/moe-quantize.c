@@ -140,12 +140,14 @@ quantize_fp4 (const float *w, gsize n, gsize k, guint8 *q, guint8 *scale)
       }
 }
 
-/* The quantized shapes of a [.., n, k] weight: the weight and its scale. */
+/* The quantized shapes of a [.., n, k] weight (of @w, its last two
+ * dimensions swapped with @swap): the weight and its scale. */
 static gboolean
-quantized_shapes (MoeTensor *w, MoeQuantFormat format, gint64 *qshape, gint64 *sshape, GError **error)
+quantized_shapes (MoeTensor *w, gboolean swap, MoeQuantFormat format, gint64 *qshape, gint64 *sshape,
+                  GError **error)
 {
   guint nd = moe_tensor_get_n_dims (w);
-  const gint64 *s = moe_tensor_get_shape (w, NULL);
+  gint64 s[8];
   gint64 n, k;
 
   if (nd < 2 || !moe_dtype_is_float (moe_tensor_get_dtype (w)) || moe_tensor_get_dtype (w) == MOE_DTYPE_F64)
@@ -154,6 +156,12 @@ quantized_shapes (MoeTensor *w, MoeQuantFormat format, gint64 *qshape, gint64 *s
       g_set_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT,
                    "Only F32, BF16 or F16 matrices [.., out, in] are quantized, not %s", d);
       return FALSE;
+    }
+  memcpy (s, moe_tensor_get_shape (w, NULL), nd * sizeof (gint64));
+  if (swap)
+    {
+      s[nd - 2] = s[nd - 1];
+      s[nd - 1] = moe_tensor_get_dim (w, nd - 2);
     }
   n = s[nd - 2];
   k = s[nd - 1];
@@ -220,7 +228,7 @@ moe_tensor_quantize (MoeTensor       *self,
   g_return_val_if_fail (MOE_IS_TENSOR (self), NULL);
   g_return_val_if_fail (scale != NULL, NULL);
 
-  if (!quantized_shapes (self, format, qshape, sshape, error))
+  if (!quantized_shapes (self, FALSE, format, qshape, sshape, error))
     return NULL;
   nd = moe_tensor_get_n_dims (self);
   n = moe_tensor_get_dim (self, nd - 2);
@@ -273,6 +281,66 @@ is_expert_weight (const char *name)
   return FALSE;
 }
 
+/* Fused experts as Qwen3-VL-MoE's checkpoints hold them, …experts.gate_up_proj
+ * and …experts.down_proj [E, ·, ·], without biases: quantized as transformers'
+ * FP8 experts hold them, [E, 2I, H] and [E, H, I] (its loader takes that
+ * layout as it is), each with its …_scale_inv. Sets @transpose where the
+ * checkpoint stores them [E, in, out]. GPT-OSS's (biased, gate and up
+ * interleaved) have no FP8 form in transformers, and are refused. */
+static gboolean
+plan_fused_experts (MoeCheckpoint *ck, const char *source, const char *name, gboolean *transpose, GError **error)
+{
+  const char *tail = g_str_has_suffix (name, ".experts.gate_up_proj") ? ".gate_up_proj"
+                     : g_str_has_suffix (name, ".experts.down_proj") ? ".down_proj" : NULL;
+  g_autofree char *prefix = tail ? g_strndup (name, strlen (name) - strlen (tail)) : NULL;
+  g_autofree char *up_name = tail ? g_strconcat (prefix, ".gate_up_proj", NULL) : NULL;
+  g_autofree char *down_name = tail ? g_strconcat (prefix, ".down_proj", NULL) : NULL;
+  g_autofree char *bias_name = tail ? g_strconcat (prefix, ".gate_up_proj_bias", NULL) : NULL;
+  g_autoptr(GArray) u = NULL, d = NULL;
+
+  if (tail == NULL || moe_checkpoint_has_tensor (ck, bias_name))
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
+                   "%s: %s is not quantized: fused experts are quantized when they are a Qwen3-VL-MoE "
+                   "pair (….experts.gate_up_proj and ….experts.down_proj, no biases); transformers' FP8 "
+                   "experts cannot hold GPT-OSS's biased, interleaved ones", source, name);
+      return FALSE;
+    }
+  if (!moe_checkpoint_get_tensor_info (ck, up_name, NULL, &u, error) ||
+      !moe_checkpoint_get_tensor_info (ck, down_name, NULL, &d, error))
+    return FALSE;
+  if (u->len != 3 || d->len != 3)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_SHAPE_MISMATCH,
+                   "%s: %s and %s are not both [experts, ·, ·]", source, up_name, down_name);
+      return FALSE;
+    }
+  *transpose = _moe_fused_experts_transposed ((const gint64 *) u->data, (const gint64 *) d->data);
+  return TRUE;
+}
+
+/* [E, k, n] float32 from [E, n, k] */
+static MoeTensor *
+transposed (MoeTensor *w, GError **error)
+{
+  g_autoptr(MoeTensor) f32 = moe_tensor_to_dtype (w, MOE_DTYPE_F32, error);
+  gint64 E = moe_tensor_get_dim (w, 0), n = moe_tensor_get_dim (w, 1), k = moe_tensor_get_dim (w, 2);
+  gint64 shape[3] = { E, k, n };
+  g_autoptr(MoeTensor) t = f32 ? moe_tensor_new_empty (NULL, MOE_DTYPE_F32, shape, 3, error) : NULL;
+  const float *src;
+  float *dst;
+
+  if (t == NULL)
+    return NULL;
+  src = moe_tensor_get_data (f32);
+  dst = moe_tensor_get_mutable_data (t);
+  for (gint64 e = 0; e < E; e++)
+    for (gint64 i = 0; i < n; i++)
+      for (gint64 j = 0; j < k; j++)
+        dst[(e * k + j) * n + i] = src[(e * n + i) * k + j];
+  return g_steal_pointer (&t);
+}
+
 typedef struct {
   char      *name;
   MoeTensor *source;       /* the checkpoint's tensor */
@@ -281,6 +349,7 @@ typedef struct {
   guint      n_dims;
   gsize      size;
   int        role;         /* 0 copied, 1 quantized weight, 2 its scale */
+  gboolean   transpose;    /* 1: fused experts stored [E, in, out], written [E, out, in] */
 } OutEntry;
 
 static void
@@ -377,7 +446,8 @@ write_safetensors (const char *path, GPtrArray *entries, MoeQuantFormat format,
 
       if (o->role == 1)
         {
-          g_autoptr(MoeTensor) q = moe_tensor_quantize (o->source, format, &pending_scale, error);
+          g_autoptr(MoeTensor) w = o->transpose ? transposed (o->source, error) : g_object_ref (o->source);
+          g_autoptr(MoeTensor) q = w ? moe_tensor_quantize (w, format, &pending_scale, error) : NULL;
           if (q == NULL || !write_all (G_OUTPUT_STREAM (out), moe_tensor_get_data (q), o->size, cancellable, error))
             goto fail;
           continue;
@@ -440,7 +510,13 @@ write_config (const char *src_dir, const char *path, MoeQuantFormat format, GPtr
   json_object_set_array_member (q, "modules_to_not_convert", kept);
   json_object_set_object_member (root, "quantization_config", q);
   if (format == MOE_QUANT_FORMAT_FP4)
-    json_object_set_string_member (root, "expert_dtype", "fp4");
+    {
+      json_object_set_string_member (root, "expert_dtype", "fp4");
+      /* a vision-language model's experts read their text sub-config's */
+      if (json_object_has_member (root, "text_config") &&
+          JSON_NODE_HOLDS_OBJECT (json_object_get_member (root, "text_config")))
+        json_object_set_string_member (json_object_get_object_member (root, "text_config"), "expert_dtype", "fp4");
+    }
 
   json_generator_set_root (gen, json_parser_get_root (parser));
   json_generator_set_pretty (gen, TRUE);
@@ -485,7 +561,10 @@ copy_other_files (const char *src_dir, const char *dst_dir, GCancellable *cancel
  *
  * Writes a copy of @source whose per-expert projection weights
  * (`….experts.N.gate_proj.weight` and the like) are quantized, each with
- * its `….weight_scale_inv`, in one `model.safetensors`, and a config.json
+ * its `….weight_scale_inv`, or whose fused experts (Qwen3-VL-MoE's
+ * `….experts.gate_up_proj` and `….experts.down_proj`) are, written
+ * `[E, 2I, H]` and `[E, H, I]` as transformers' FP8 experts hold them, each
+ * with its `…_scale_inv`; in one `model.safetensors`, and a config.json
  * with transformers' `quantization_config` (`quant_method: "fp8"`,
  * dynamic activations, 128×128 blocks, `scale_fmt`, and every other linear
  * module under `modules_to_not_convert`); FP4 also sets `expert_dtype:
@@ -553,12 +632,18 @@ moe_quantize_checkpoint (const char      *source,
       o->n_dims = moe_tensor_get_n_dims (o->source);
       o->dtype = moe_tensor_get_dtype (o->source);
       memcpy (o->shape, moe_tensor_get_shape (o->source, NULL), o->n_dims * sizeof (gint64));
-      if (is_expert_weight (names[i]) && o->n_dims == 2)
+      if ((is_expert_weight (names[i]) && o->n_dims == 2) || (strstr (names[i], ".experts.") && o->n_dims == 3))
         {
-          OutEntry *s = g_new0 (OutEntry, 1);
+          OutEntry *s;
           gint64 qshape[8], sshape[8];
 
-          if (!quantized_shapes (o->source, format, qshape, sshape, error))
+          if (o->n_dims == 3 && !plan_fused_experts (ck, source, names[i], &o->transpose, error))
+            {
+              out_entry_free (o);
+              return FALSE;
+            }
+          s = g_new0 (OutEntry, 1);
+          if (!quantized_shapes (o->source, o->transpose, format, qshape, sshape, error))
             {
               g_prefix_error (error, "%s: ", names[i]);
               out_entry_free (o);
@@ -571,7 +656,7 @@ moe_quantize_checkpoint (const char      *source,
           s->role = 2;
           s->name = g_strdup_printf ("%.*s_scale_inv", (int) strlen (names[i]), names[i]);
           s->dtype = scale_dtype (format);
-          s->n_dims = 2;
+          s->n_dims = o->n_dims;
           memcpy (s->shape, sshape, sizeof sshape);
           o->size = shape_bytes (o->dtype, o->shape, o->n_dims);
           s->size = shape_bytes (s->dtype, s->shape, s->n_dims);
@@ -582,24 +667,14 @@ moe_quantize_checkpoint (const char      *source,
         }
       if (o->n_dims == 2 && g_str_has_suffix (names[i], ".weight") && !strstr (names[i], "embed"))
         g_ptr_array_add (kept, g_strndup (names[i], strlen (names[i]) - strlen (".weight")));
-      else if (strstr (names[i], ".experts.") && o->n_dims == 3)
-        {
-          g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_SUPPORTED,
-                       "%s: fused expert tensors (%s) are not quantized; libmoe quantizes per-expert "
-                       "checkpoints (….experts.N.gate_proj.weight). (transformers' FP8 experts cannot "
-                       "hold GPT-OSS's biased, interleaved experts at all; Qwen3-VL-MoE's would be "
-                       "written fused as [E, 2I, H] and [E, H, I], which libmoe does not do yet)",
-                       source, names[i]);
-          out_entry_free (o);
-          return FALSE;
-        }
       o->size = shape_bytes (o->dtype, o->shape, o->n_dims);
       g_ptr_array_add (entries, o);
     }
   if (n_quantized == 0)
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_NOT_FOUND,
-                   "%s has no per-expert weights (….experts.N.gate_proj.weight) to quantize", source);
+                   "%s has no expert weights (….experts.N.gate_proj.weight, or fused ….experts.gate_up_proj) "
+                   "to quantize", source);
       return FALSE;
     }
 

@@ -458,6 +458,165 @@ test_quantize_checkpoint (gconstpointer data)
   g_rmdir (tmp);
 }
 
+static gboolean
+is_fused_expert (const char *name)
+{
+  return g_str_has_suffix (name, ".experts.gate_up_proj") || g_str_has_suffix (name, ".experts.down_proj");
+}
+
+/* A float32 copy of @src's checkpoint whose fused experts are stored
+ * transposed, [E, H, 2I] and [E, I, H], as Qwen3-VL-MoE's on the Hub are. */
+static void
+write_transposed_experts (const char *src, const char *dst)
+{
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeCheckpoint) ck = moe_checkpoint_open (src, &error);
+  g_auto(GStrv) names = NULL;
+  g_autoptr(GString) header = g_string_new ("{");
+  g_autoptr(GByteArray) data = g_byte_array_new ();
+  g_autofree char *path = g_build_filename (dst, "model.safetensors", NULL);
+  g_autoptr(GString) file = g_string_new (NULL);
+  const char *files[] = { "config.json", "generation_config.json" };
+  guint64 len;
+
+  g_assert_no_error (error);
+  g_assert_cmpint (g_mkdir_with_parents (dst, 0755), ==, 0);
+  names = moe_checkpoint_list_tensors (ck);
+  for (guint i = 0; names[i] != NULL; i++)
+    {
+      g_autoptr(MoeTensor) t = moe_checkpoint_get_tensor (ck, names[i], &error);
+      g_autoptr(MoeTensor) f = t ? moe_tensor_to_dtype (t, MOE_DTYPE_F32, &error) : NULL;
+      guint nd = f ? moe_tensor_get_n_dims (f) : 0;
+      gint64 shape[8];
+      const float *v;
+      gsize n = 1, start = data->len;
+
+      g_assert_no_error (error);
+      memcpy (shape, moe_tensor_get_shape (f, NULL), nd * sizeof (gint64));
+      for (guint d = 0; d < nd; d++)
+        n *= shape[d];
+      v = moe_tensor_get_data (f);
+      g_byte_array_set_size (data, start + n * sizeof (float));
+      if (is_fused_expert (names[i]))
+        {
+          gint64 E = shape[0], r = shape[1], c = shape[2];
+          float *out = (float *) (data->data + start);
+          for (gint64 e = 0; e < E; e++)
+            for (gint64 a = 0; a < r; a++)
+              for (gint64 b = 0; b < c; b++)
+                out[(e * c + b) * r + a] = v[(e * r + a) * c + b];
+          shape[1] = c;
+          shape[2] = r;
+        }
+      else
+        memcpy (data->data + start, v, n * sizeof (float));
+      g_string_append_printf (header, "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[", i ? "," : "", names[i]);
+      for (guint d = 0; d < nd; d++)
+        g_string_append_printf (header, "%s%" G_GINT64_FORMAT, d ? "," : "", shape[d]);
+      g_string_append_printf (header, "],\"data_offsets\":[%" G_GSIZE_FORMAT ",%u]}", start, data->len);
+    }
+  g_string_append_c (header, '}');
+  while (header->len % 8 != 0)
+    g_string_append_c (header, ' ');
+  len = GUINT64_TO_LE ((guint64) header->len);
+  g_string_append_len (file, (const char *) &len, 8);
+  g_string_append_len (file, header->str, header->len);
+  g_string_append_len (file, (const char *) data->data, data->len);
+  g_assert_true (g_file_set_contents (path, file->str, file->len, NULL));
+  for (guint i = 0; i < G_N_ELEMENTS (files); i++)
+    {
+      g_autofree char *from = g_build_filename (src, files[i], NULL);
+      g_autofree char *to = g_build_filename (dst, files[i], NULL);
+      g_autofree char *contents = NULL;
+      gsize size;
+      g_assert_true (g_file_get_contents (from, &contents, &size, NULL));
+      g_assert_true (g_file_set_contents (to, contents, size, NULL));
+    }
+}
+
+/* Qwen3-VL-MoE's fused experts quantized: written [E, 2I, H] and [E, H, I]
+ * with their scales, as transformers' FP8 experts hold them, whichever way
+ * the source stores them; the model still answers like its unquantized self
+ * within the quantization error. (transformers' own reading of them:
+ * test_quantize_readback.) */
+static void
+test_quantize_fused (gconstpointer data)
+{
+  MoeQuantFormat format = GPOINTER_TO_INT (data);
+  const gboolean fp4 = format == MOE_QUANT_FORMAT_FP4;
+  g_autofree char *src = moe_test_data_path ("models", "qwen3_vl_moe", NULL);
+  g_autofree char *ref_path = moe_test_data_path ("models", "qwen3_vl_moe", "reference.safetensors", NULL);
+  g_autofree char *tmp = g_dir_make_tmp ("moe-quantize-fused-XXXXXX", NULL);
+  g_autofree char *dst = g_build_filename (tmp, "out", NULL);
+  g_autofree char *tsrc = g_build_filename (tmp, "transposed", NULL);
+  g_autofree char *tdst = g_build_filename (tmp, "out-transposed", NULL);
+  const char *up = "model.language_model.layers.1.mlp.experts.gate_up_proj";
+  const char *down = "model.language_model.layers.1.mlp.experts.down_proj";
+  /* the fixture: 8 experts, H = 64, I = 32 */
+  const gint64 up_shape[3] = { 8, 64, fp4 ? 32 : 64 }, down_shape[3] = { 8, 64, fp4 ? 16 : 32 };
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeCheckpoint) out = NULL, tout = NULL, ref = NULL;
+  g_autoptr(MoeModel) m = NULL;
+  g_autoptr(MoeTensor) ids = NULL, logits_ref = NULL, logits = NULL;
+  double err;
+
+  g_assert_true (moe_quantize_checkpoint (src, dst, format, NULL, &error));
+  g_assert_no_error (error);
+  out = moe_checkpoint_open (dst, &error);
+  g_assert_no_error (error);
+  for (int i = 0; i < 2; i++)
+    {
+      const char *name = i == 0 ? up : down;
+      const gint64 *want = i == 0 ? up_shape : down_shape;
+      g_autofree char *scale = g_strconcat (name, "_scale_inv", NULL);
+      g_autoptr(GArray) shape = NULL;
+      MoeDType d;
+
+      g_assert_true (moe_checkpoint_get_tensor_info (out, name, &d, &shape, &error));
+      g_assert_cmpint (d, ==, fp4 ? MOE_DTYPE_I8 : MOE_DTYPE_F8E4M3);
+      g_assert_cmpmem (shape->data, shape->len * sizeof (gint64), want, 3 * sizeof (gint64));
+      g_assert_true (moe_checkpoint_has_tensor (out, scale));
+    }
+
+  m = moe_model_new_from_pretrained (dst, NULL, NULL, &error);
+  g_assert_no_error (error);
+  ref = moe_checkpoint_open (ref_path, &error);
+  g_assert_no_error (error);
+  ids = moe_checkpoint_get_tensor (ref, "input_ids", &error);
+  logits_ref = moe_checkpoint_get_tensor (ref, "logits", &error);
+  g_assert_no_error (error);
+  logits = moe_model_forward (m, ids, &error);
+  g_assert_no_error (error);
+  err = moe_test_rel_error (logits, logits_ref);
+  g_test_message ("qwen3_vl_moe quantized (format %d): logits rel err %.3g vs unquantized", format, err);
+  g_assert_cmpfloat (err, >, 0.0);
+  g_assert_cmpfloat (err, <=, 0.25);
+
+  /* the same experts stored transposed: the same bytes out */
+  write_transposed_experts (src, tsrc);
+  g_assert_true (moe_quantize_checkpoint (tsrc, tdst, format, NULL, &error));
+  g_assert_no_error (error);
+  tout = moe_checkpoint_open (tdst, &error);
+  g_assert_no_error (error);
+  for (int i = 0; i < 4; i++)
+    {
+      g_autofree char *name = g_strconcat (i % 2 ? down : up, i >= 2 ? "_scale_inv" : "", NULL);
+      g_autoptr(MoeTensor) a = moe_checkpoint_get_tensor (out, name, &error);
+      g_autoptr(MoeTensor) b = a ? moe_checkpoint_get_tensor (tout, name, &error) : NULL;
+      g_assert_no_error (error);
+      g_assert_cmpmem (moe_tensor_get_data (a), moe_tensor_get_n_bytes (a), moe_tensor_get_data (b),
+                       moe_tensor_get_n_bytes (b));
+    }
+
+  g_clear_object (&m);
+  g_clear_object (&out);
+  g_clear_object (&tout);
+  remove_dir (dst);
+  remove_dir (tsrc);
+  remove_dir (tdst);
+  g_rmdir (tmp);
+}
+
 /* What the quantizer refuses, each with a clear error. */
 static void
 test_quantize_refusals (void)
@@ -487,7 +646,7 @@ test_quantize_refusals (void)
     g_assert_error (error, MOE_ERROR, MOE_ERROR_INVALID_ARGUMENT);
     g_clear_error (&error);
   }
-  /* fused on-disk experts (GPT-OSS) are not quantized, and nothing is left behind */
+  /* GPT-OSS's fused, biased experts are not quantized, and nothing is left behind */
   {
     g_autofree char *src = moe_test_data_path ("models", "gpt_oss", NULL);
     g_assert_false (moe_quantize_checkpoint (src, dst, MOE_QUANT_FORMAT_FP8, NULL, &error));
@@ -588,6 +747,9 @@ main (int argc, char *argv[])
   g_test_add_data_func ("/quant/quantize/checkpoint/fp8", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP8), test_quantize_checkpoint);
   g_test_add_data_func ("/quant/quantize/checkpoint/fp8-ue8m0", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP8_UE8M0), test_quantize_checkpoint);
   g_test_add_data_func ("/quant/quantize/checkpoint/fp4", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP4), test_quantize_checkpoint);
+  g_test_add_data_func ("/quant/quantize/fused/fp8", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP8), test_quantize_fused);
+  g_test_add_data_func ("/quant/quantize/fused/fp8-ue8m0", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP8_UE8M0), test_quantize_fused);
+  g_test_add_data_func ("/quant/quantize/fused/fp4", GINT_TO_POINTER (MOE_QUANT_FORMAT_FP4), test_quantize_fused);
   g_test_add_func ("/quant/quantize/refusals", test_quantize_refusals);
   {
     static const char *readback[] = {
