@@ -819,13 +819,9 @@ gemv_mma_kernel (MoeCudaGemv a)
       }
   };
 
-#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile ("griddepcontrol.launch_dependents;\n");
-#endif
+  pdl_release ();
   load_weights (0);
-#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile ("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  pdl_wait ();
   for (int j0 = 0; warp + WARPS * j0 < chunks; j0 += U)
     {
       if (j0 > 0)

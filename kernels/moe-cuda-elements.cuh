@@ -105,12 +105,28 @@ mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
  * for the kernels before to finish. A no-op before sm_90 and in kernels
  * launched the plain way. */
 __device__ __forceinline__ void
-pdl_begin ()
+pdl_release ()
 {
 #if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile ("griddepcontrol.launch_dependents;\n");
+#endif
+}
+
+__device__ __forceinline__ void
+pdl_wait ()
+{
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile ("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+
+/* (a kernel whose first loads do not depend on the kernels before may
+ * issue them between the two) */
+__device__ __forceinline__ void
+pdl_begin ()
+{
+  pdl_release ();
+  pdl_wait ();
 }
 
 #ifndef MOE_JIT
