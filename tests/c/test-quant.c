@@ -209,6 +209,20 @@ test_model_dequantized (gconstpointer data)
   check_model (data, TRUE, "logits");
 }
 
+static void
+copy_files (const char *src, const char *dst, const char * const *files, guint n)
+{
+  for (guint i = 0; i < n; i++)
+    {
+      g_autofree char *from = g_build_filename (src, files[i], NULL);
+      g_autofree char *to = g_build_filename (dst, files[i], NULL);
+      g_autofree char *contents = NULL;
+      gsize len;
+      g_assert_true (g_file_get_contents (from, &contents, &len, NULL));
+      g_assert_true (g_file_set_contents (to, contents, len, NULL));
+    }
+}
+
 /* a copy of the FP8 checkpoint with one config key changed */
 static char *
 checkpoint_with_config (const char *key, const char *value_json)
@@ -220,15 +234,7 @@ checkpoint_with_config (const char *key, const char *value_json)
   char *at;
 
   g_assert_nonnull (tmp);
-  for (guint i = 0; i < G_N_ELEMENTS (files); i++)
-    {
-      g_autofree char *from = g_build_filename (src, files[i], NULL);
-      g_autofree char *to = g_build_filename (tmp, files[i], NULL);
-      g_autofree char *contents = NULL;
-      gsize len;
-      g_assert_true (g_file_get_contents (from, &contents, &len, NULL));
-      g_assert_true (g_file_set_contents (to, contents, len, NULL));
-    }
+  copy_files (src, tmp, files, G_N_ELEMENTS (files));
   path = g_build_filename (src, "config.json", NULL);
   g_assert_true (g_file_get_contents (path, &config, NULL, NULL));
   needle = g_strdup_printf ("\"%s\": ", key);
@@ -384,6 +390,33 @@ remove_dir (const char *dir)
   g_rmdir (dir);
 }
 
+/* @dst, @family's checkpoint quantized, still answers like its unquantized
+ * self (the family's reference logits) within the quantization error of
+ * these tiny random models */
+static void
+check_quantized_logits (const char *family, const char *dst, MoeQuantFormat format)
+{
+  g_autofree char *ref_path = moe_test_data_path ("models", family, "reference.safetensors", NULL);
+  g_autoptr(GError) error = NULL;
+  g_autoptr(MoeModel) m = moe_model_new_from_pretrained (dst, NULL, NULL, &error);
+  g_autoptr(MoeCheckpoint) ref = NULL;
+  g_autoptr(MoeTensor) ids = NULL, logits_ref = NULL, logits = NULL;
+  double err;
+
+  g_assert_no_error (error);
+  ref = moe_checkpoint_open (ref_path, &error);
+  g_assert_no_error (error);
+  ids = moe_checkpoint_get_tensor (ref, "input_ids", &error);
+  logits_ref = moe_checkpoint_get_tensor (ref, "logits", &error);
+  g_assert_no_error (error);
+  logits = moe_model_forward (m, ids, &error);
+  g_assert_no_error (error);
+  err = moe_test_rel_error (logits, logits_ref);
+  g_test_message ("%s quantized (format %d): logits rel err %.3g vs unquantized", family, format, err);
+  g_assert_cmpfloat (err, >, 0.0);
+  g_assert_cmpfloat (err, <=, 0.25);
+}
+
 /* A checkpoint's experts quantized and read back: the names and config
  * transformers reads, and the model still answers like its unquantized self
  * within the quantization error of these tiny random models. */
@@ -392,18 +425,14 @@ test_quantize_checkpoint (gconstpointer data)
 {
   MoeQuantFormat format = GPOINTER_TO_INT (data);
   g_autofree char *src = moe_test_data_path ("models", "qwen3_moe", NULL);
-  g_autofree char *ref_path = moe_test_data_path ("models", "qwen3_moe", "reference.safetensors", NULL);
   g_autofree char *tmp = g_dir_make_tmp ("moe-quantize-XXXXXX", NULL);
   g_autofree char *dst = g_build_filename (tmp, "out", NULL);
   g_autoptr(GError) error = NULL;
-  g_autoptr(MoeCheckpoint) out = NULL, ref = NULL;
-  g_autoptr(MoeModel) m = NULL;
-  g_autoptr(MoeTensor) ids = NULL, logits_ref = NULL, logits = NULL;
+  g_autoptr(MoeCheckpoint) out = NULL;
   g_autoptr(MoeConfig) config = NULL;
   g_autofree char *config_path = NULL;
   const char *expert = "model.layers.0.mlp.experts.3.down_proj.weight";
   MoeDType d;
-  double err;
 
   g_assert_true (moe_quantize_checkpoint (src, dst, format, NULL, &error));
   g_assert_no_error (error);
@@ -440,19 +469,7 @@ test_quantize_checkpoint (gconstpointer data)
     remove_dir (again);
   }
 
-  m = moe_model_new_from_pretrained (dst, NULL, NULL, &error);
-  g_assert_no_error (error);
-  ref = moe_checkpoint_open (ref_path, &error);
-  g_assert_no_error (error);
-  ids = moe_checkpoint_get_tensor (ref, "input_ids", &error);
-  logits_ref = moe_checkpoint_get_tensor (ref, "logits", &error);
-  g_assert_no_error (error);
-  logits = moe_model_forward (m, ids, &error);
-  g_assert_no_error (error);
-  err = moe_test_rel_error (logits, logits_ref);
-  g_test_message ("qwen3_moe quantized (format %d): logits rel err %.3g vs unquantized", format, err);
-  g_assert_cmpfloat (err, >, 0.0);
-  g_assert_cmpfloat (err, <=, 0.25);
+  check_quantized_logits ("qwen3_moe", dst, format);
 
   remove_dir (dst);
   g_rmdir (tmp);
@@ -523,15 +540,7 @@ write_transposed_experts (const char *src, const char *dst)
   g_string_append_len (file, header->str, header->len);
   g_string_append_len (file, (const char *) data->data, data->len);
   g_assert_true (g_file_set_contents (path, file->str, file->len, NULL));
-  for (guint i = 0; i < G_N_ELEMENTS (files); i++)
-    {
-      g_autofree char *from = g_build_filename (src, files[i], NULL);
-      g_autofree char *to = g_build_filename (dst, files[i], NULL);
-      g_autofree char *contents = NULL;
-      gsize size;
-      g_assert_true (g_file_get_contents (from, &contents, &size, NULL));
-      g_assert_true (g_file_set_contents (to, contents, size, NULL));
-    }
+  copy_files (src, dst, files, G_N_ELEMENTS (files));
 }
 
 /* Qwen3-VL-MoE's fused experts quantized: written [E, 2I, H] and [E, H, I]
@@ -546,7 +555,6 @@ test_quantize_fused (gconstpointer data)
   MoeQuantFormat format = GPOINTER_TO_INT (data);
   const gboolean fp4 = format == MOE_QUANT_FORMAT_FP4;
   g_autofree char *src = moe_test_data_path ("models", "qwen3_vl_moe", NULL);
-  g_autofree char *ref_path = moe_test_data_path ("models", "qwen3_vl_moe", "reference.safetensors", NULL);
   g_autofree char *tmp = g_dir_make_tmp ("moe-quantize-fused-XXXXXX", NULL);
   g_autofree char *dst = g_build_filename (tmp, "out", NULL);
   g_autofree char *tsrc = g_build_filename (tmp, "transposed", NULL);
@@ -556,10 +564,7 @@ test_quantize_fused (gconstpointer data)
   /* the fixture: 8 experts, H = 64, I = 32 */
   const gint64 up_shape[3] = { 8, 64, fp4 ? 32 : 64 }, down_shape[3] = { 8, 64, fp4 ? 16 : 32 };
   g_autoptr(GError) error = NULL;
-  g_autoptr(MoeCheckpoint) out = NULL, tout = NULL, ref = NULL;
-  g_autoptr(MoeModel) m = NULL;
-  g_autoptr(MoeTensor) ids = NULL, logits_ref = NULL, logits = NULL;
-  double err;
+  g_autoptr(MoeCheckpoint) out = NULL, tout = NULL;
 
   g_assert_true (moe_quantize_checkpoint (src, dst, format, NULL, &error));
   g_assert_no_error (error);
@@ -579,19 +584,7 @@ test_quantize_fused (gconstpointer data)
       g_assert_true (moe_checkpoint_has_tensor (out, scale));
     }
 
-  m = moe_model_new_from_pretrained (dst, NULL, NULL, &error);
-  g_assert_no_error (error);
-  ref = moe_checkpoint_open (ref_path, &error);
-  g_assert_no_error (error);
-  ids = moe_checkpoint_get_tensor (ref, "input_ids", &error);
-  logits_ref = moe_checkpoint_get_tensor (ref, "logits", &error);
-  g_assert_no_error (error);
-  logits = moe_model_forward (m, ids, &error);
-  g_assert_no_error (error);
-  err = moe_test_rel_error (logits, logits_ref);
-  g_test_message ("qwen3_vl_moe quantized (format %d): logits rel err %.3g vs unquantized", format, err);
-  g_assert_cmpfloat (err, >, 0.0);
-  g_assert_cmpfloat (err, <=, 0.25);
+  check_quantized_logits ("qwen3_vl_moe", dst, format);
 
   /* the same experts stored transposed: the same bytes out */
   write_transposed_experts (src, tsrc);
@@ -609,7 +602,6 @@ test_quantize_fused (gconstpointer data)
                        moe_tensor_get_n_bytes (b));
     }
 
-  g_clear_object (&m);
   g_clear_object (&out);
   g_clear_object (&tout);
   remove_dir (dst);
