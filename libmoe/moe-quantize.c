@@ -283,8 +283,9 @@ is_expert_weight (const char *name)
 
 /* Fused experts as Qwen3-VL-MoE's checkpoints hold them, …experts.gate_up_proj
  * and …experts.down_proj [E, ·, ·], without biases: quantized as transformers'
- * FP8 experts hold them, [E, 2I, H] and [E, H, I] (its loader takes that
- * layout as it is), each with its …_scale_inv. Sets @transpose where the
+ * FP8 experts hold them, [E, 2I, H] and [E, H, I] (the layout its Qwen3-VL
+ * conversion keeps as it is; transformers 5.17 does not dequantize fused
+ * experts on load, though), each with its …_scale_inv. Sets @transpose where the
  * checkpoint stores them [E, in, out]. GPT-OSS's (biased, gate and up
  * interleaved) have no FP8 form in transformers, and are refused. */
 static gboolean
@@ -349,7 +350,7 @@ typedef struct {
   guint      n_dims;
   gsize      size;
   int        role;         /* 0 copied, 1 quantized weight, 2 its scale */
-  gboolean   transpose;    /* 1: fused experts stored [E, in, out], written [E, out, in] */
+  gboolean   transpose;    /* fused experts stored [E, in, out], written [E, out, in] */
 } OutEntry;
 
 static void
