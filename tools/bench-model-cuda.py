@@ -63,6 +63,8 @@ def parse_args():
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"],
+                   help="decoder layers of the checkpoint written (fewer: a quick model to profile)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", default="grouped_mm", help="libmoe's experts backend")
     p.add_argument("--tf-backend", default="grouped_mm", help="transformers' experts_implementation")
@@ -75,7 +77,7 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def write_checkpoint(path):
+def write_checkpoint(path, layers):
     if os.path.exists(os.path.join(path, "config.json")):
         log(f"checkpoint: {path} is there")
         return
@@ -83,7 +85,7 @@ def write_checkpoint(path):
     from transformers import GenerationConfig, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     t0 = time.perf_counter()
-    cfg = Qwen2MoeConfig(**SHAPE)
+    cfg = Qwen2MoeConfig(**dict(SHAPE, num_hidden_layers=layers))
     # meta then to_empty: no float32 copy and no per-module init on the host
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -211,7 +213,7 @@ def libmoe_results(args):
 def main():
     args = parse_args()
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    write_checkpoint(args.model_dir)
+    write_checkpoint(args.model_dir, args.layers)
 
     tf = {}
     if not args.no_transformers:

@@ -16,7 +16,11 @@
 #                                   alone: a table of GPU time per kernel
 #                                   (tools/ncu-summary.py); run model-bench
 #                                   first in the same call; NCU_ARGS: more
-#                                   ncu options
+#                                   ncu options; PROFILE_MODEL: another
+#                                   checkpoint (model-bench --layers 4
+#                                   --model-dir DIR writes a short one);
+#                                   PROFILE_TAIL=N: also the last N kernels
+#                                   in launch order (one step's sequence)
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts, or
 #                                   test-cuda-model) under compute-sanitizer
@@ -79,9 +83,9 @@ case "$what" in
     [ -n "$ncu" ] || { echo "no ncu on this machine" >&2; exit 1; }
     # shellcheck disable=SC2086 # NCU_ARGS: more ncu options (--launch-skip N …)
     "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum --print-units base ${NCU_ARGS:-} \
-      "$root/bin/moe-bench-model" -m /tmp/qwen1.5-moe-a2.7b-random --device cuda -d bfloat16 "$@" \
+      "$root/bin/moe-bench-model" -m "${PROFILE_MODEL:-/tmp/qwen1.5-moe-a2.7b-random}" --device cuda -d bfloat16 "$@" \
       > /tmp/ncu.csv 2> /tmp/ncu.err || { tail -20 /tmp/ncu.err; exit 1; }
-    python3 tools/ncu-summary.py /tmp/ncu.csv
+    python3 tools/ncu-summary.py /tmp/ncu.csv ${PROFILE_TAIL:-0}
     ;;
   *)
     echo "usage: $0 test | bench [ARGS] | model-bench [ARGS] | profile [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
