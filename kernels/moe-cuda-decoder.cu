@@ -152,13 +152,21 @@ __global__ void
 rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int in_stride, const float *w,
                  float eps, int weight_last, T *y, int out_stride)
 {
-  pdl_begin ();
+  pdl_release ();
   size_t r = blockIdx.x / groups, g = blockIdx.x % groups;
   T *xr = x + r * in_stride + g * group_stride;
   T *yr = y + r * out_stride + g * group_stride;
   const T *ar = h_add != nullptr ? h_add + r * in_stride + g * group_stride : nullptr;
-  float v[NORM_PER_THREAD], ss = 0;
+  float v[NORM_PER_THREAD], wv[NORM_PER_THREAD], ss = 0;
 
+  /* the weights' loads first: they never depend on the kernels before */
+#pragma unroll
+  for (int k = 0; k < NORM_PER_THREAD; k++)
+    {
+      int i = threadIdx.x + k * blockDim.x;
+      wv[k] = i < n ? w[i] : 0.0f;
+    }
+  pdl_wait ();
 #pragma unroll
   for (int k = 0; k < NORM_PER_THREAD; k++)
     {
@@ -187,16 +195,16 @@ rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int 
       ss += t * t;
     }
   float inv = 1.0f / sqrtf (block_reduce<false> (ss) / (float) n + eps);
-  auto scaled = [&] (float t, int i) { return from_f<T> (weight_last ? t * inv * w[i] : rnd<T> (t * inv) * w[i]); };
+  auto scaled = [&] (float t, float wi) { return from_f<T> (weight_last ? t * inv * wi : rnd<T> (t * inv) * wi); };
 #pragma unroll
   for (int k = 0; k < NORM_PER_THREAD; k++)
     {
       int i = threadIdx.x + k * blockDim.x;
       if (i < n)
-        yr[i] = scaled (v[k], i);
+        yr[i] = scaled (v[k], wv[k]);
     }
   for (int i = threadIdx.x + NORM_PER_THREAD * blockDim.x; i < n; i += blockDim.x)
-    yr[i] = scaled (to_f (xr[i]), i);   /* this thread's own write above */
+    yr[i] = scaled (to_f (xr[i]), w[i]);   /* this thread's own write above */
 }
 
 template <typename T>
@@ -245,6 +253,50 @@ rope_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *po
               }
         }
     }
+}
+
+/* A projected row [q heads | k heads | v heads] (@head_dim each) to the
+ * attention's inputs in one pass: q's heads rotated in place, k's rotated
+ * and v's copied into the layer's cache (as rope_kernel, then
+ * store_kv_kernel: the same values). A block per (row, head), a thread per
+ * rotated pair, or per dim past the rotated ones: a decode step's rows are
+ * one round of loads, where a block per row walked the heads in turn. */
+template <typename T>
+__global__ void
+rope_store_kv_kernel (T *qkv, int row_stride, int heads, int kv_heads, int head_dim, int n_tokens,
+                      const int64_t *positions, const float *inv_freq, int rope_dim, float scale,
+                      T *k_cache, T *v_cache, int capacity, int past, const int *past_dev)
+{
+  pdl_begin ();
+  const int row = blockIdx.x, h = blockIdx.y, half = rope_dim / 2;
+  const bool is_k = h >= heads && h < heads + kv_heads, is_v = h >= heads + kv_heads;
+  T *x = qkv + (size_t) row * row_stride + (size_t) h * head_dim;
+  T *cached = nullptr;
+
+  if (is_k || is_v)
+    {
+      const int kh = h - heads - (is_v ? kv_heads : 0), b = row / n_tokens, t = row % n_tokens;
+      if (past_dev != nullptr)
+        past = *past_dev;
+      cached = (is_k ? k_cache : v_cache) + (((size_t) b * kv_heads + kh) * capacity + past + t) * head_dim;
+    }
+  for (int i = threadIdx.x; i < head_dim; i += blockDim.x)
+    if (!is_v && i < half)
+      {
+        const float angle = inv_freq[i] * (float) positions[row];
+        const float c = rnd<T> (cosf (angle) * scale), s = rnd<T> (sinf (angle) * scale);
+        const float x1 = to_f (x[i]), x2 = to_f (x[i + half]);
+        const T y1 = from_f<T> (x1 * c - x2 * s), y2 = from_f<T> (x2 * c + x1 * s);
+        x[i] = y1;
+        x[i + half] = y2;
+        if (is_k)
+          cached[i] = y1, cached[i + half] = y2;
+      }
+    else if (is_v || i >= rope_dim)
+      {
+        if (cached != nullptr)
+          cached[i] = x[i];
+      }
 }
 
 /* DeepSeek's interleaved RoPE reads pairs (x0, x1), (x2, x3)… and writes the
@@ -1032,6 +1084,18 @@ moe_cuda_rope (int dtype, void *x, int rows, int heads, int row_stride, int head
     DISPATCH (dtype, launch_overlapped (rope_kernel<T>, rows, rope_dim / 2 < 256 ? rope_dim / 2 : 256, 0, s,
                                         (T *) x, heads, row_stride, head_stride, positions, inv_freq, rope_dim,
                                         scale));
+}
+
+extern "C" void
+moe_cuda_rope_store_kv (int dtype, void *qkv, int batch, int n_tokens, int row_stride, int heads, int kv_heads,
+                        int head_dim, const int64_t *positions, const float *inv_freq, int rope_dim, float scale,
+                        void *k_cache, void *v_cache, int capacity, int past, const int *past_dev, cudaStream_t s)
+{
+  dim3 grid (batch * n_tokens, heads + 2 * kv_heads);
+  DISPATCH (dtype, launch_overlapped (rope_store_kv_kernel<T>, grid, head_dim < 256 ? head_dim : 256, 0, s,
+                                      (T *) qkv, row_stride, heads, kv_heads, head_dim, n_tokens, positions,
+                                      inv_freq, rope_dim, scale, (T *) k_cache, (T *) v_cache, capacity, past,
+                                      past_dev));
 }
 
 extern "C" void

@@ -56,6 +56,14 @@ void moe_cuda_store_kv       (int dtype, int batch, int n_tokens, int kv_heads,
                               void *k_cache, void *v_cache, int capacity, int past, const int *past_dev,
                               cudaStream_t stream);
 
+/* For rows [B, T] of [q heads | k heads | v heads] (@head_dim each, rows
+ * @row_stride apart): moe_cuda_rope on the q and k heads (not interleaved),
+ * then moe_cuda_store_kv of k and v, in one kernel. */
+void moe_cuda_rope_store_kv  (int dtype, void *qkv, int batch, int n_tokens, int row_stride, int heads,
+                              int kv_heads, int head_dim, const int64_t *positions, const float *inv_freq,
+                              int rope_dim, float scale, void *k_cache, void *v_cache, int capacity, int past,
+                              const int *past_dev, cudaStream_t stream);
+
 typedef struct {
   int dtype;
   int batch, n_tokens, past;           /* keys 0…past+n_tokens-1 */

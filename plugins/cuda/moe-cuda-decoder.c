@@ -746,13 +746,21 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
     }
   if (m->clip_qkv > 0)
     moe_cuda_clamp (d->dtype, DATA (qkv), (gsize) rows * n, m->clip_qkv, stream);
-  /* q's heads and k's follow each other in the row: one rotation */
-  rope (d, s, qkv, 0, m->heads + m->kv_heads, n, hd);
-  moe_cuda_store_kv (d->dtype, s->st->batch, s->st->n_tokens, m->kv_heads,
-                     (char *) DATA (qkv) + (gsize) qn * d->elem, n, hd, hd, NULL, 0, 0, 0,
-                     (char *) DATA (qkv) + (gsize) (qn + kn) * d->elem, n, hd, hd,
-                     DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
-                     OPT (s->past_dev), stream);
+  if (!m->rope_interleaved)
+    moe_cuda_rope_store_kv (d->dtype, DATA (qkv), s->st->batch, s->st->n_tokens, n, m->heads, m->kv_heads, hd,
+                            DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale,
+                            DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
+                            OPT (s->past_dev), stream);
+  else
+    {
+      /* q's heads and k's follow each other in the row: one rotation */
+      rope (d, s, qkv, 0, m->heads + m->kv_heads, n, hd);
+      moe_cuda_store_kv (d->dtype, s->st->batch, s->st->n_tokens, m->kv_heads,
+                         (char *) DATA (qkv) + (gsize) qn * d->elem, n, hd, hd, NULL, 0, 0, 0,
+                         (char *) DATA (qkv) + (gsize) (qn + kn) * d->elem, n, hd, hd,
+                         DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
+                         OPT (s->past_dev), stream);
+    }
   trace_mark (s->trace, stream, PART_ROPE_KV);
   a = attend (d, s, li, qkv, n, hd, hd, error);
   trace_mark (s->trace, stream, PART_ATTEND);
