@@ -10,6 +10,7 @@
  */
 #include "moe-cuda-decoder.h"
 #include "moe-cuda-elements.cuh"
+#include "moe-cuda-gemv.cuh"
 
 #include <cfloat>
 #include <climits>
@@ -818,111 +819,20 @@ gemv_kernel (MoeCudaGemv a)
     gemv_store<T, EPI> (a, r, n, acc[r], up[r]);
 }
 
-/* The tensor-core form, bf16/f16, up to 8·NT rows: a block of 8 warps
- * takes 16 outputs (and their 16 up rows when gated); warp w the 32-wide
- * chunks w, w + 8, … of in, as m16n8k16 products with the weights as A and
- * the rows as B. A product's k order is free, so a lane loads 8 consecutive
- * weights of its output (16 bytes, coalesced by 4 lanes into 64) and the
- * same 8 of its row of x: its A and B fragments for two k16 steps. The
- * first chunks' weight loads are issued before the wait for the kernels
- * before (PDL): the weights never depend on them, so a GEMV's reads start
- * while a short kernel before it still runs. */
+/* The tensor-core form, bf16/f16, up to 8·NT rows (moe-cuda-gemv.cuh) */
 template <typename T, int NT, int EPI>
 __global__ void __launch_bounds__ (256)
 gemv_mma_kernel (MoeCudaGemv a)
 {
-  constexpr int WARPS = 8, M = EPI == GEMV_GATED ? 2 : 1, U = 8 / M;
-  __shared__ float red[WARPS][M][16][8 * NT];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int n0 = blockIdx.x * 16, chunks = (a.in + 31) / 32;
-  const uint4 zero = make_uint4 (0, 0, 0, 0);
-  const uint4 *wrow[M][2], *xrow[NT];
-  bool wok[2], xok[NT];
-  float acc[M][NT][4] = {};
-  uint4 wv[U][M][2], xv[U][NT];
+  constexpr int M = EPI == GEMV_GATED ? 2 : 1;
+  const T *w = (const T *) a.w;
+  auto weight_row = [&] (int m, int n) { return w + ((size_t) m * a.out + n) * a.in; };
+  float s[M];
+  int n, r;
 
-#pragma unroll
-  for (int h = 0; h < 2; h++)
-    {
-      int n = n0 + g + 8 * h;
-      wok[h] = n < a.out;
-#pragma unroll
-      for (int m = 0; m < M; m++)
-        wrow[m][h] = (const uint4 *) ((const T *) a.w + ((size_t) m * a.out + (wok[h] ? n : 0)) * a.in + 8 * q);
-    }
-#pragma unroll
-  for (int t = 0; t < NT; t++)
-    {
-      xok[t] = g + 8 * t < a.rows;
-      xrow[t] = (const uint4 *) ((const T *) a.x + (size_t) (xok[t] ? g + 8 * t : 0) * a.ldx + 8 * q);
-    }
-
-  auto load_weights = [&] (int j0) {
-#pragma unroll
-    for (int u = 0; u < U; u++)
-      {
-        int c = warp + WARPS * (j0 + u);
-        bool in = c * 32 + 8 * q < a.in;
-#pragma unroll
-        for (int m = 0; m < M; m++)
-#pragma unroll
-          for (int h = 0; h < 2; h++)
-            wv[u][m][h] = in && wok[h] ? __ldg (wrow[m][h] + 4 * c) : zero;
-      }
-  };
-
-  pdl_release ();
-  load_weights (0);
-  pdl_wait ();
-  for (int j0 = 0; warp + WARPS * j0 < chunks; j0 += U)
-    {
-      if (j0 > 0)
-        load_weights (j0);
-#pragma unroll
-      for (int u = 0; u < U; u++)
-        {
-          int c = warp + WARPS * (j0 + u);
-          bool in = c * 32 + 8 * q < a.in;
-#pragma unroll
-          for (int t = 0; t < NT; t++)
-            xv[u][t] = in && xok[t] ? __ldg (xrow[t] + 4 * c) : zero;
-        }
-#pragma unroll
-      for (int u = 0; u < U; u++)
-#pragma unroll
-        for (int m = 0; m < M; m++)
-#pragma unroll
-          for (int t = 0; t < NT; t++)
-            {
-              const uint4 &w0 = wv[u][m][0], &w1 = wv[u][m][1], &x = xv[u][t];
-              const unsigned a0[4] = { w0.x, w1.x, w0.y, w1.y }, b0[2] = { x.x, x.y };
-              const unsigned a1[4] = { w0.z, w1.z, w0.w, w1.w }, b1[2] = { x.z, x.w };
-              mma16816<T> (acc[m][t], a0, b0);
-              mma16816<T> (acc[m][t], a1, b1);
-            }
-    }
-
-  /* the 8 warps' partial sums, then a thread per (output, row) */
-#pragma unroll
-  for (int m = 0; m < M; m++)
-#pragma unroll
-    for (int t = 0; t < NT; t++)
-#pragma unroll
-      for (int i = 0; i < 4; i++)
-        red[warp][m][g + 8 * (i / 2)][8 * t + 2 * q + i % 2] = acc[m][t][i];
-  __syncthreads ();
-  {
-    const int o = threadIdx.x % 16, r = threadIdx.x / 16;
-    float s[M] = {};
-    if (r >= a.rows || r >= 8 * NT || n0 + o >= a.out)
-      return;
-#pragma unroll
-    for (int w = 0; w < WARPS; w++)
-#pragma unroll
-      for (int m = 0; m < M; m++)
-        s[m] += red[w][m][o][r];
-    gemv_store<T, EPI> (a, r, n0 + o, s[0], s[M - 1]);
-  }
+  if (gemv_mma_sums<T, NT, M> (weight_row, blockIdx.x * 16, a.out, a.in, (const T *) a.x, a.ldx, a.rows, true,
+                               s, &n, &r))
+    gemv_store<T, EPI> (a, r, n, s[0], s[M - 1]);
 }
 
 /* a[i] = fn (a[i], b[i]) over @n elements, by the block, V at a time */

@@ -58,7 +58,9 @@ void moe_cuda_store_kv       (int dtype, int batch, int n_tokens, int kv_heads,
 
 /* For rows [B, T] of [q heads | k heads | v heads] (@head_dim each, rows
  * @row_stride apart): moe_cuda_rope on the q and k heads (not interleaved),
- * then moe_cuda_store_kv of k and v, in one kernel. */
+ * then moe_cuda_store_kv of k and v, in one kernel — for a few rows (a
+ * decode step): a prefill's rows are faster through the two (measured:
+ * 2048-token prefill 6% slower this way). */
 void moe_cuda_rope_store_kv  (int dtype, void *qkv, int batch, int n_tokens, int row_stride, int heads,
                               int kv_heads, int head_dim, const int64_t *positions, const float *inv_freq,
                               int rope_dim, float scale, void *k_cache, void *v_cache, int capacity, int past,

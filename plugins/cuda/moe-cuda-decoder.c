@@ -721,6 +721,10 @@ rope (Decoder *d, const Step *s, MoeTensor *x, gsize offset, int heads, int row_
                  d->dev->stream);
 }
 
+/* rows up to which RoPE and the KV cache write run as one kernel (see
+ * moe_cuda_rope_store_kv) */
+#define ROPE_STORE_ROWS 16
+
 static MoeTensor *
 attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error)
 {
@@ -746,7 +750,7 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
     }
   if (m->clip_qkv > 0)
     moe_cuda_clamp (d->dtype, DATA (qkv), (gsize) rows * n, m->clip_qkv, stream);
-  if (!m->rope_interleaved)
+  if (!m->rope_interleaved && rows <= ROPE_STORE_ROWS)
     moe_cuda_rope_store_kv (d->dtype, DATA (qkv), s->st->batch, s->st->n_tokens, n, m->heads, m->kv_heads, hd,
                             DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale,
                             DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
