@@ -15,7 +15,7 @@
 # 2. transformers: from_pretrained(dtype=bf16, device_map="cuda",
 #    experts_implementation=--tf-backend). Prefill: forward of a [1, P]
 #    prompt, and generate of it with one new token. Decode: for each batch
-#    B, generate of a [B, 16] prompt, greedy, min_new_tokens=max_new_tokens
+#    B, generate of a [B, 16] prompt (--decode-prompt), greedy, min_new_tokens=max_new_tokens
 #    (no end token can stop it; the output length is checked), tok/s =
 #    B·S / (time(1 + S new) − time(1 new)). One untimed call, then the
 #    median of --repeats, each closed by torch.cuda.synchronize(). Its
@@ -52,7 +52,6 @@ SHAPE = dict(
     max_position_embeddings=8192, decoder_sparse_step=1, norm_topk_prob=False,
     tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643,
 )
-PROMPT_LEN = 16           # decode prompts, as moe-bench-model's
 TARGETS = {"prefill": 100000, "decode 1": 600, "decode 8": 2500}   # tok/s, PERFORMANCE.md
 
 
@@ -63,6 +62,7 @@ def parse_args():
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--decode-prompt", type=int, default=16, help="decode prompt length (both sides)")
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"],
                    help="decoder layers of the checkpoint written (fewer: a quick model to profile)")
     p.add_argument("--repeats", type=int, default=3)
@@ -169,7 +169,7 @@ def transformers_results(args, batches, res):
             log(f"transformers: prefill-generate P={P} tok/s={P / s:.1f} ms={s * 1e3:.2f}")
         S = args.decode_steps
         for B in batches:
-            ids = torch.randint(0, V, (B, PROMPT_LEN), device="cuda", generator=g)
+            ids = torch.randint(0, V, (B, args.decode_prompt), device="cuda", generator=g)
             s1 = median_time(lambda: generate(ids, 1), args.repeats, sync)
             sS = median_time(lambda: generate(ids, 1 + S), args.repeats, sync)
             dt = sS - s1
@@ -181,7 +181,8 @@ def libmoe_results(args):
     """Runs moe-bench-model; its lines "KIND key=value ..." keyed as transformers_results()' are."""
     cmd = [args.libmoe_bench, "--model", args.model_dir, "--device", "cuda", "--dtype", "bfloat16",
            "--prefill", str(args.prefill), "--batches", args.batches,
-           "--decode-steps", str(args.decode_steps), "--repeats", str(args.repeats)]
+           "--decode-steps", str(args.decode_steps), "--decode-prompt", str(args.decode_prompt),
+           "--repeats", str(args.repeats)]
     if args.backend:
         cmd += ["--backend", args.backend]
     log("libmoe: " + " ".join(cmd))
@@ -239,7 +240,7 @@ def main():
         return (f"{v:,.0f}" if v is not None else "—"), v
 
     print(f"\nQwen1.5-MoE-A2.7B shape, random bf16 weights; transformers experts {args.tf_backend}, "
-          f"libmoe {args.backend or 'default'}; decode: {args.decode_steps} steps after a {PROMPT_LEN}-token "
+          f"libmoe {args.backend or 'default'}; decode: {args.decode_steps} steps after a {args.decode_prompt}-token "
           f"prompt; median of {args.repeats}")
     print("| metric | transformers | libmoe | ratio | target |")
     print("|---|---:|---:|---:|---|")

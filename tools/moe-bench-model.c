@@ -3,7 +3,8 @@
  * Usage:
  *   moe-bench-model --model DIR [--device cuda|cpu] [--dtype bfloat16]
  *                   [--backend grouped_mm] [--prefill 2048] [--batches 1,8]
- *                   [--decode-steps 64] [--repeats 3] [--seed N]
+ *                   [--decode-steps 64] [--decode-prompt 16] [--repeats 3]
+ *                   [--seed N]
  *
  * Only the public API: the model is loaded once, then
  *
@@ -15,7 +16,9 @@
  *                     max-new-tokens 1: the prefill as generation pays it
  *                     (logits of the last position only).
  *   decode            for each batch size B, moe_model_generate() of a
- *                     [B, 16] prompt, greedy, no end token (a fresh config
+ *                     [B, 16] prompt (--decode-prompt: another length, to
+ *                     time decode over a long context), greedy, no end
+ *                     token (a fresh config
  *                     has none, so nothing stops early; checked on the
  *                     output): tok/s = B·S / (time(1 + S new) − time(1 new)),
  *                     so the prefill and the first token cancel out.
@@ -36,8 +39,6 @@
 
 #include <libmoe.h>
 
-#define PROMPT_LEN 16   /* decode prompt length */
-
 static char *opt_model;
 static char *opt_device;
 static char *opt_dtype;
@@ -45,6 +46,7 @@ static char *opt_backend;
 static int opt_prefill = 2048;
 static char *opt_batches;
 static int opt_decode_steps = 64;
+static int opt_decode_prompt = 16;
 static int opt_repeats = 3;
 static int opt_seed = 1234;
 
@@ -56,6 +58,7 @@ static const GOptionEntry entries[] = {
   { "prefill", 'p', 0, G_OPTION_ARG_INT, &opt_prefill, "Prefill prompt length; 0 skips (default 2048)", "P" },
   { "batches", 'b', 0, G_OPTION_ARG_STRING, &opt_batches, "Decode batch sizes; empty skips (default 1,8)", "B,..." },
   { "decode-steps", 's', 0, G_OPTION_ARG_INT, &opt_decode_steps, "Timed decode steps (default 64)", "S" },
+  { "decode-prompt", 0, 0, G_OPTION_ARG_INT, &opt_decode_prompt, "Decode prompt length (default 16)", "N" },
   { "repeats", 'r', 0, G_OPTION_ARG_INT, &opt_repeats, "Timed calls per measurement (default 3)", "N" },
   { "seed", 0, 0, G_OPTION_ARG_INT, &opt_seed, "Seed of the random prompts (default 1234)", "N" },
   { NULL }
@@ -209,10 +212,10 @@ main (int    argc,
       g_set_error (&error, G_OPTION_ERROR, G_OPTION_ERROR_BAD_VALUE, "--model DIR is required");
       goto fail;
     }
-  if (opt_prefill < 0 || opt_decode_steps < 1 || opt_repeats < 1)
+  if (opt_prefill < 0 || opt_decode_steps < 1 || opt_decode_prompt < 1 || opt_repeats < 1)
     {
       g_set_error (&error, G_OPTION_ERROR, G_OPTION_ERROR_BAD_VALUE,
-                   "--prefill must be ≥ 0, --decode-steps and --repeats ≥ 1");
+                   "--prefill must be ≥ 0, --decode-steps, --decode-prompt and --repeats ≥ 1");
       goto fail;
     }
   if (!parse_batches (opt_batches != NULL ? opt_batches : "1,8", batches, &error))
@@ -260,7 +263,7 @@ main (int    argc,
   for (guint i = 0; i < batches->len; i++)
     {
       gint64 B = g_array_index (batches, gint64, i);
-      g_autoptr(MoeTensor) ids = random_ids (B, PROMPT_LEN, vocab, &error);
+      g_autoptr(MoeTensor) ids = random_ids (B, opt_decode_prompt, vocab, &error);
       double s1, sS, dt;
 
       if (ids == NULL ||
@@ -272,10 +275,11 @@ main (int    argc,
         }
       /* a noisy run can make this ≤ 0 on tiny models; print it as is */
       dt = sS - s1;
-      printf ("decode B=%" G_GINT64_FORMAT " S=%d tok/s=%.1f ms/step=%.3f\n",
-              B, opt_decode_steps, B * opt_decode_steps / dt, dt * 1e3 / opt_decode_steps);
+      printf ("decode B=%" G_GINT64_FORMAT " S=%d prompt=%d tok/s=%.1f ms/step=%.3f\n",
+              B, opt_decode_steps, opt_decode_prompt, B * opt_decode_steps / dt, dt * 1e3 / opt_decode_steps);
       fflush (stdout);
-      g_array_append_val (rows, ((Row) { g_strdup_printf ("decode B=%" G_GINT64_FORMAT, B),
+      g_array_append_val (rows, ((Row) { g_strdup_printf ("decode B=%" G_GINT64_FORMAT " after %d tokens", B,
+                                                          opt_decode_prompt),
                                          B * opt_decode_steps / dt, dt * 1e3 / opt_decode_steps,
                                          g_strdup ("ms/step") }));
     }
