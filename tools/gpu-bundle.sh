@@ -9,9 +9,25 @@
 #   tools/gpu-bundle.sh
 #   (on the GPU machine, with _gpu carried)  tools/gpu-run.sh test
 #
+# --keep-baseline first keeps the cuda plugin of the bundle already there
+# (stripped, xz: ~9 MB) as _gpu/baseline-cuda.so.xz, with its commit in
+# _gpu/baseline-commit, for tools/gpu-run.sh compare: the code before a
+# change timed beside the code after it, in one call.
+#
 # SPDX-License-Identifier: LGPL-2.1-or-later
 set -eu
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = --keep-baseline ]; then
+  [ -f _gpu/bundle.tar.xz ] || { echo "no _gpu/bundle.tar.xz to keep a baseline of" >&2; exit 1; }
+  base=$(mktemp -d)
+  tar -C "$base" -xJf _gpu/bundle.tar.xz moe-gpu/plugins/libmoe-cuda.so
+  strip "$base/moe-gpu/plugins/libmoe-cuda.so"
+  xz -9e -c "$base/moe-gpu/plugins/libmoe-cuda.so" > _gpu/baseline-cuda.so.xz
+  cp _gpu/commit _gpu/baseline-commit 2>/dev/null || echo '?' > _gpu/baseline-commit
+  rm -rf "$base"
+  echo "_gpu/baseline-cuda.so.xz: the cuda plugin of commit $(cat _gpu/baseline-commit)"
+fi
 
 build=_build-gpu
 [ -f "$build/build.ninja" ] || meson setup "$build" -Dcuda=enabled -Dintrospection=disabled \
@@ -36,5 +52,6 @@ for f in "$stage"/lib/* "$stage"/plugins/*.so "$stage"/bin/*; do ldd "$f"; done 
 
 mkdir -p _gpu
 tar -C "$tmp" -cJf _gpu/bundle.tar.xz moe-gpu
-git rev-parse --short HEAD > _gpu/commit
-echo "_gpu/bundle.tar.xz: $(du -h _gpu/bundle.tar.xz | cut -f1), commit $(cat _gpu/commit)$(git diff --quiet HEAD || echo ' + uncommitted changes')"
+# "+": with changes not committed
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +)" > _gpu/commit
+echo "_gpu/bundle.tar.xz: $(du -h _gpu/bundle.tar.xz | cut -f1), commit $(cat _gpu/commit)"

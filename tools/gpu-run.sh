@@ -21,6 +21,13 @@
 #                                   --model-dir DIR writes a short one);
 #                                   PROFILE_TAIL=N: also the last N kernels
 #                                   in launch order (one step's sequence)
+#   tools/gpu-run.sh compare [ARGS]  moe-bench-model ARGS (default: the
+#                                   model-bench checkpoint, bf16, -s 16 -r 2
+#                                   -p 2048 -b 1,8) with the baseline's cuda
+#                                   plugin (tools/gpu-bundle.sh
+#                                   --keep-baseline) and this bundle's in
+#                                   turn, twice: the same machine's figures
+#                                   side by side; run model-bench first
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts, or
 #                                   test-cuda-model) under compute-sanitizer
@@ -65,6 +72,23 @@ case "$what" in
     echo "$passed passed, $failed failed, $skipped skipped"
     [ $failed -eq 0 ] && [ $passed -gt 0 ]
     ;;
+  compare)
+    [ -f _gpu/baseline-cuda.so.xz ] || { echo "no _gpu/baseline-cuda.so.xz (tools/gpu-bundle.sh --keep-baseline)" >&2; exit 1; }
+    rm -rf /tmp/moe-baseline && mkdir -p /tmp/moe-baseline && cp -r "$root/plugins" /tmp/moe-baseline/
+    xz -dc _gpu/baseline-cuda.so.xz > /tmp/moe-baseline/plugins/libmoe-cuda.so || exit 1
+    [ $# -gt 0 ] || set -- -m /tmp/qwen1.5-moe-a2.7b-random --device cuda -d bfloat16 -s 16 -r 2 -p 2048 -b 1,8
+    for round in 1 2; do
+      for side in baseline this; do
+        if [ $side = baseline ]; then
+          plugins=/tmp/moe-baseline/plugins commit=$(cat _gpu/baseline-commit 2>/dev/null)
+        else
+          plugins=$root/plugins commit=$(cat _gpu/commit 2>/dev/null)
+        fi
+        echo "== $side ($commit), round $round"
+        MOE_PLUGIN_PATH=$plugins "$root/bin/moe-bench-model" "$@" | grep -E '^(prefill|decode)' || exit 1
+      done
+    done
+    ;;
   sanitize)
     tool=${1:-memcheck}
     [ $# -gt 0 ] && shift
@@ -88,5 +112,5 @@ case "$what" in
     python3 tools/ncu-summary.py /tmp/ncu.csv ${PROFILE_TAIL:-0}
     ;;
   *)
-    echo "usage: $0 test | bench [ARGS] | model-bench [ARGS] | profile [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | model-bench [ARGS] | profile [ARGS] | compare [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac
