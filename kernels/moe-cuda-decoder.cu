@@ -216,6 +216,17 @@ clamp_kernel (T *x, size_t n, float limit)
     x[i] = from_f<T> (fminf (fmaxf (to_f (x[i]), -limit), limit));
 }
 
+/* Pair i's rotation at @pos: its cos and sin, scaled and rounded to the
+ * model dtype (transformers' cos/sin tables are in it) */
+template <typename T>
+__device__ __forceinline__ void
+rope_cos_sin (const float *inv_freq, int i, float pos, float scale, float *c, float *s)
+{
+  const float angle = inv_freq[i] * pos;
+  *c = rnd<T> (cosf (angle) * scale);
+  *s = rnd<T> (sinf (angle) * scale);
+}
+
 /* A block per row, a thread per rotated pair: its cos and sin once (the
  * accurate ones are the costly part), applied to every head with the
  * heads' loads in flight together. */
@@ -231,8 +242,8 @@ rope_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *po
 
   for (int i = threadIdx.x; i < half; i += blockDim.x)
     {
-      float angle = inv_freq[i] * pos;
-      float c = rnd<T> (cosf (angle) * scale), s = rnd<T> (sinf (angle) * scale);
+      float c, s;
+      rope_cos_sin<T> (inv_freq, i, pos, scale, &c, &s);
       /* eight heads' loads, then their stores (which the compiler may
        * not move loads past) */
       for (int h0 = 0; h0 < heads; h0 += 8)
@@ -284,8 +295,8 @@ rope_store_kv_kernel (T *qkv, int row_stride, int heads, int kv_heads, int head_
   for (int i = threadIdx.x; i < head_dim; i += blockDim.x)
     if (!is_v && i < half)
       {
-        const float angle = inv_freq[i] * (float) positions[row];
-        const float c = rnd<T> (cosf (angle) * scale), s = rnd<T> (sinf (angle) * scale);
+        float c, s;
+        rope_cos_sin<T> (inv_freq, i, (float) positions[row], scale, &c, &s);
         const float x1 = to_f (x[i]), x2 = to_f (x[i + half]);
         const T y1 = from_f<T> (x1 * c - x2 * s), y2 = from_f<T> (x2 * c + x1 * s);
         x[i] = y1;
@@ -318,8 +329,8 @@ rope_interleaved_kernel (T *x, int heads, int row_stride, int head_stride, const
       float t[256];
       for (int i = 0; i < half; i++)
         {
-          float angle = inv_freq[i] * pos;
-          float c = rnd<T> (cosf (angle) * scale), s = rnd<T> (sinf (angle) * scale);
+          float c, s;
+          rope_cos_sin<T> (inv_freq, i, pos, scale, &c, &s);
           float x1 = to_f (v[2 * i]), x2 = to_f (v[2 * i + 1]);
           t[i] = x1 * c - x2 * s;
           t[i + half] = x2 * c + x1 * s;
