@@ -381,7 +381,10 @@ store_kv_kernel (int n_tokens, int kv_heads,
 /* One block per (query row, head): the scores of every key in shared
  * memory, a thread per key (a key's row read as 16-byte loads all in
  * flight: one round of loads for a decode step's keys); then the softmax;
- * then a thread per output dim. */
+ * then a thread per output dim. With @a.split_keys, block z takes keys
+ * z·split_keys … and leaves its softmax unnormalised in a.partial —
+ * {max, sum, Σ p·v[dv]} — for attention_combine_kernel (a long context:
+ * one block walking every key of a head was the whole step's time). */
 template <typename T>
 __global__ void
 attention_kernel (MoeCudaAttention a)
@@ -398,6 +401,10 @@ attention_kernel (MoeCudaAttention a)
   const T *K = (const T *) a.k_cache + (size_t) (b * a.kv_heads + g) * a.capacity * a.dk;
   const T *V = (const T *) a.v_cache + (size_t) (b * a.kv_heads + g) * a.capacity * a.dv;
   T *out = (T *) a.out + ((size_t) row * a.heads + h) * a.dv;
+  float *part = a.split_keys > 0
+                ? a.partial + (((size_t) row * a.heads + h) * gridDim.z + blockIdx.z) * (a.dv + 2) : nullptr;
+  const int j0 = a.split_keys > 0 ? blockIdx.z * a.split_keys : 0;
+  const int j1 = a.split_keys > 0 ? min (len, j0 + a.split_keys) : len;
   constexpr int VE = 16 / sizeof (T);
   bool vec = a.dk % VE == 0 && (uintptr_t) K % 16 == 0;
   float mx = -INFINITY, sum = 0;
@@ -406,7 +413,7 @@ attention_kernel (MoeCudaAttention a)
     qs[d] = to_f (q[d]);
   __syncthreads ();
 
-  for (int j = threadIdx.x; j < len; j += blockDim.x)
+  for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x)
     {
       bool ok = j <= qpos && (a.key_valid == nullptr || a.key_valid[b * kv_stride + j]) &&
                 (a.window == 0 || qpos - j < a.window);
@@ -432,27 +439,33 @@ attention_kernel (MoeCudaAttention a)
           if (a.eager)
             s = rnd<T> (s);
         }
-      score[j] = s;
+      score[j - j0] = s;
       mx = fmaxf (mx, s);
     }
   mx = block_reduce<true> (mx);
-  if (a.sinks != nullptr)
+  if (a.sinks != nullptr && part == nullptr)
     mx = fmaxf (mx, a.sinks[h]);
   if (mx == -INFINITY)
     {
-      /* a padded query with nothing to attend to */
+      /* a padded query with nothing to attend to (or a split past the keys) */
+      if (part != nullptr)
+        {
+          if (threadIdx.x == 0)
+            part[0] = -INFINITY, part[1] = 0.0f;
+          return;
+        }
       for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
         out[d] = from_f<T> (0.0f);
       return;
     }
-  for (int j = threadIdx.x; j < len; j += blockDim.x)
+  for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x)
     {
       float p = score[j] == -INFINITY ? 0.0f : expf (score[j] - mx);
       score[j] = p;
       sum += p;
     }
   sum = block_reduce<false> (sum);   /* its barriers also publish score[] */
-  if (a.sinks != nullptr)
+  if (a.sinks != nullptr && part == nullptr)
     sum += expf (a.sinks[h] - mx);
 
   for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
@@ -461,12 +474,53 @@ attention_kernel (MoeCudaAttention a)
       /* no branch on p = 0 (masked keys' values are finite: every cached
        * row was written), so that the loads go out together */
 #pragma unroll 8
-      for (int j = 0; j < len; j++)
+      for (int j = j0; j < j1; j++)
         {
-          float p = score[j];
+          float p = score[j - j0];
           acc += (a.eager ? rnd<T> (p / sum) : p) * to_f (V[(size_t) j * a.dv + d]);
         }
-      out[d] = from_f<T> (a.eager ? acc : acc / sum);
+      if (part != nullptr)
+        part[2 + d] = acc;
+      else
+        out[d] = from_f<T> (a.eager ? acc : acc / sum);
+    }
+  if (part != nullptr && threadIdx.x == 0)
+    part[0] = mx, part[1] = sum;
+}
+
+/* A split attention's blocks into its output: each block's sums rescaled
+ * to the largest maximum (and the sink's term, where the model has one),
+ * a thread per output dim. */
+template <typename T>
+__global__ void
+attention_combine_kernel (MoeCudaAttention a, int splits)
+{
+  pdl_begin ();
+  const int row = blockIdx.x, h = blockIdx.y;
+  const float *part = a.partial + ((size_t) row * a.heads + h) * splits * (a.dv + 2);
+  T *out = (T *) a.out + ((size_t) row * a.heads + h) * a.dv;
+  float mx = a.sinks != nullptr ? a.sinks[h] : -INFINITY, sum = 0;
+
+  for (int z = 0; z < splits; z++)
+    mx = fmaxf (mx, part[z * (a.dv + 2)]);
+  if (mx == -INFINITY)
+    {
+      for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
+        out[d] = from_f<T> (0.0f);
+      return;
+    }
+  for (int z = 0; z < splits; z++)
+    if (part[z * (a.dv + 2)] != -INFINITY)
+      sum += part[z * (a.dv + 2) + 1] * expf (part[z * (a.dv + 2)] - mx);
+  if (a.sinks != nullptr)
+    sum += expf (a.sinks[h] - mx);
+  for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
+    {
+      float acc = 0;
+      for (int z = 0; z < splits; z++)
+        if (part[z * (a.dv + 2)] != -INFINITY)
+          acc += part[z * (a.dv + 2) + 2 + d] * expf (part[z * (a.dv + 2)] - mx);
+      out[d] = from_f<T> (acc / sum);
     }
 }
 
@@ -1036,12 +1090,21 @@ moe_cuda_store_kv (int dtype, int batch, int n_tokens, int kv_heads,
                         (T *) k_cache, (T *) v_cache, capacity, past, past_dev));
 }
 
+extern "C" int
+moe_cuda_attention_splits (const MoeCudaAttention *a)
+{
+  const int keys = a->past_dev != NULL ? a->max_len : a->past + a->n_tokens;
+  return a->split_keys > 0 ? (keys + a->split_keys - 1) / a->split_keys : 1;
+}
+
 extern "C" const char *
 moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
 {
-  size_t smem = (size_t) (a->dk + (a->past_dev != NULL ? a->max_len : a->past + a->n_tokens)) * sizeof (float);
+  const int splits = moe_cuda_attention_splits (a);
+  const int keys = a->split_keys > 0 ? a->split_keys : a->past_dev != NULL ? a->max_len : a->past + a->n_tokens;
+  size_t smem = (size_t) (a->dk + keys) * sizeof (float);
   static int max_smem = 0;   /* one GPU per process (the cuda device's), read once */
-  dim3 grid (a->batch * a->n_tokens, a->heads);
+  dim3 grid (a->batch * a->n_tokens, a->heads, splits);
 
   if (max_smem == 0)
     {
@@ -1054,7 +1117,9 @@ moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
   DISPATCH (a->dtype,
             if (smem > 48 * 1024)
               cudaFuncSetAttribute (attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
-            launch_overlapped (attention_kernel<T>, grid, 128, smem, s, *a));
+            launch_overlapped (attention_kernel<T>, grid, 128, smem, s, *a);
+            if (a->split_keys > 0)
+              launch_overlapped (attention_combine_kernel<T>, dim3 (grid.x, grid.y), 128, 0, s, *a, splits));
   return NULL;
 }
 

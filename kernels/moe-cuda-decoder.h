@@ -83,7 +83,13 @@ typedef struct {
   float scaling;
   int eager;                            /* round scores and probabilities (GPT-OSS) */
   void *out;                            /* [B*T][heads][dv] */
+  int split_keys;                       /* > 0 (not eager): blocks of this many keys, then their combination */
+  float *partial;                       /* with @split_keys: [B*T][heads][splits][dv + 2] scratch */
 } MoeCudaAttention;
+
+/* The key blocks moe_cuda_attention () splits one query's keys into (1
+ * without @a->split_keys): what @a->partial must hold. */
+int moe_cuda_attention_splits (const MoeCudaAttention *a);
 
 /* Returns NULL, or a static message saying what failed. */
 const char *moe_cuda_attention       (const MoeCudaAttention *a, cudaStream_t stream);

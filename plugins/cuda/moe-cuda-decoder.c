@@ -43,6 +43,7 @@ typedef struct {
   DevLayer             *layer;
   int                   gemv_rows;   /* projections of this many rows or fewer run as GEMVs */
   int                   prefill_attention_tokens;   /* steps of this many tokens or more: flash kernel or GEMMs */
+  int                   attention_split;  /* decode over more keys: blocks of this many (MOE_CUDA_ATTENTION_SPLIT; 0: one) */
   gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
   gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
   /* GEMV-sized steps run the shared expert's gate and up projections here,
@@ -233,6 +234,8 @@ moe_cuda_decoder_new (MoeDevice      *device,
    * run the fixtures' 9-token prompts (and the decode steps) through them */
   d->prefill_attention_tokens = g_getenv ("MOE_CUDA_PREFILL_ATTENTION_TOKENS")
                                 ? MAX (atoi (g_getenv ("MOE_CUDA_PREFILL_ATTENTION_TOKENS")), 1) : 16;
+  d->attention_split = g_getenv ("MOE_CUDA_ATTENTION_SPLIT") ? MAX (atoi (g_getenv ("MOE_CUDA_ATTENTION_SPLIT")), 0)
+                                                             : 128;
   d->trace = g_getenv ("MOE_CUDA_TRACE") != NULL;
   d->graphs = g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 && !d->trace;
   if (m->has_shared && g_strcmp0 (g_getenv ("MOE_CUDA_SIDE_STREAM"), "0") != 0 &&
@@ -675,7 +678,7 @@ static MoeTensor *
 attend (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int dk, int dv, GError **error)
 {
   const MoeTransformer *m = d->m;
-  g_autoptr(MoeTensor) out = new_act (d, s->rows, (gint64) m->heads * dv, error);
+  g_autoptr(MoeTensor) out = new_act (d, s->rows, (gint64) m->heads * dv, error), partial = NULL;
   MoeCudaAttention a = {
     .dtype = d->dtype, .batch = s->st->batch, .n_tokens = s->st->n_tokens, .past = s->past,
     .heads = m->heads, .kv_heads = m->kv_heads, .dk = dk, .dv = dv,
@@ -701,6 +704,17 @@ attend (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int
         return attend_gemm (d, s, li, q, q_row_stride, dk, dv, out, error) ? g_steal_pointer (&out) : NULL;
       moe_cuda_flash_attention (&a, d->dev->stream);
       return g_steal_pointer (&out);
+    }
+  /* a long context: blocks of keys, then their combination (eager
+   * attention rounds probabilities normalised over every key: one block) */
+  if (!m->eager_attention && d->attention_split > 0 &&
+      (s->past_dev ? (int) s->cache->capacity : (int) (s->past + s->st->n_tokens)) > d->attention_split)
+    {
+      a.split_keys = d->attention_split;
+      partial = new_f32 (d, (gint64) s->rows * m->heads * moe_cuda_attention_splits (&a), dv + 2, error);
+      if (partial == NULL)
+        return NULL;
+      a.partial = DATA (partial);
     }
   msg = moe_cuda_attention (&a, d->dev->stream);
   if (msg != NULL)

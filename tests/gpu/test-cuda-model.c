@@ -43,6 +43,19 @@ test_family_prefill_attention (gconstpointer data)
   g_unsetenv ("MOE_CUDA_PREFILL_ATTENTION_TOKENS");
 }
 
+/* The decode attention in blocks of 4 keys and their combination
+ * (MOE_CUDA_ATTENTION_SPLIT=4 at load; a long context's path), on every
+ * family's prompts and decode steps; eager attention (GPT-OSS) keeps one
+ * block. */
+static void
+test_family_split_attention (gconstpointer data)
+{
+  g_setenv ("MOE_CUDA_ATTENTION_SPLIT", "4", TRUE);
+  moe_test_family_f32 (data, "cuda");
+  moe_test_family_bf16 (data, "cuda");
+  g_unsetenv ("MOE_CUDA_ATTENTION_SPLIT");
+}
+
 static void
 on_changed (MoeModel *model, const char *key, const char *old_name, const char *new_name, gpointer data)
 {
@@ -178,6 +191,11 @@ main (int argc, char *argv[])
     {
       g_autofree char *p = g_strdup_printf ("/cuda/model/prefill-attention/%s", moe_test_families[i]);
       g_test_add_data_func (p, moe_test_families[i], test_family_prefill_attention);
+    }
+  for (guint i = 0; i < G_N_ELEMENTS (moe_test_families); i++)
+    {
+      g_autofree char *p = g_strdup_printf ("/cuda/model/split-attention/%s", moe_test_families[i]);
+      g_test_add_data_func (p, moe_test_families[i], test_family_split_attention);
     }
   g_test_add_func ("/cuda/model/decode-switch", test_decode_switch);
   g_test_add_func ("/cuda/model/padded-batch", test_padded_batch);
