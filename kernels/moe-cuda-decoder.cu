@@ -468,22 +468,61 @@ attention_kernel (MoeCudaAttention a)
   if (a.sinks != nullptr && part == nullptr)
     sum += expf (a.sinks[h] - mx);
 
-  for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
+  if (a.dv % VE == 0 && a.dv / VE <= (int) blockDim.x && (uintptr_t) V % 16 == 0)
     {
-      float acc = 0;
-      /* no branch on p = 0 (masked keys' values are finite: every cached
-       * row was written), so that the loads go out together */
-#pragma unroll 8
-      for (int j = j0; j < j1; j++)
+      /* dv / VE threads per value row, blockDim / that many rows at once:
+       * 16-byte loads, all of a thread's keys in flight (a thread per
+       * output dim read 2 bytes a key, one key after another); the groups'
+       * sums meet in shared memory, which the scores no longer need */
+      const int lanes = a.dv / VE, groups = blockDim.x / lanes;
+      const int lane = threadIdx.x % lanes, grp = threadIdx.x / lanes;
+      float acc[VE] = {};
+      if (grp < groups)
+#pragma unroll 16
+        for (int j = j0 + grp; j < j1; j += groups)
+          {
+            /* no branch on p = 0 (masked keys' values are finite: every
+             * cached row was written), so that the loads go out together */
+            float p = score[j - j0];
+            p = a.eager ? rnd<T> (p / sum) : p;
+            uint4 vv = __ldg ((const uint4 *) (V + (size_t) j * a.dv + lane * VE));
+            const T *ve = (const T *) &vv;
+#pragma unroll
+            for (int e = 0; e < VE; e++)
+              acc[e] += p * to_f (ve[e]);
+          }
+      __syncthreads ();
+      if (grp < groups)
+#pragma unroll
+        for (int e = 0; e < VE; e++)
+          sm[grp * a.dv + lane * VE + e] = acc[e];
+      __syncthreads ();
+      for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
         {
-          float p = score[j - j0];
-          acc += (a.eager ? rnd<T> (p / sum) : p) * to_f (V[(size_t) j * a.dv + d]);
+          float o = 0;
+          for (int g2 = 0; g2 < groups; g2++)
+            o += sm[g2 * a.dv + d];
+          if (part != nullptr)
+            part[2 + d] = o;
+          else
+            out[d] = from_f<T> (a.eager ? o : o / sum);
         }
-      if (part != nullptr)
-        part[2 + d] = acc;
-      else
-        out[d] = from_f<T> (a.eager ? acc : acc / sum);
     }
+  else
+    for (int d = threadIdx.x; d < a.dv; d += blockDim.x)
+      {
+        float acc = 0;
+#pragma unroll 8
+        for (int j = j0; j < j1; j++)
+          {
+            float p = score[j - j0];
+            acc += (a.eager ? rnd<T> (p / sum) : p) * to_f (V[(size_t) j * a.dv + d]);
+          }
+        if (part != nullptr)
+          part[2 + d] = acc;
+        else
+          out[d] = from_f<T> (a.eager ? acc : acc / sum);
+      }
   if (part != nullptr && threadIdx.x == 0)
     part[0] = mx, part[1] = sum;
 }
@@ -652,12 +691,63 @@ warp_top_k (const float *scores, unsigned char *taken, int n, int K, int64_t *id
     }
 }
 
-/* One block (a warp) per row: the choice, as moe-transformer.c's route(). */
+/* x · w_e for every expert e in logits[], by the block's warps, a warp per
+ * expert: the router's product for a few rows, where a GEMV kernel of its
+ * own and the launch between cost more than the product. Each warp's first
+ * weights go out before pdl_wait () (they never depend on the kernels
+ * before); @in a multiple of 16 bytes' elements. */
 template <typename T>
-__global__ void
+__device__ __forceinline__ void
+router_logits (const T *w, const T *x, int E, int in, float *logits)
+{
+  constexpr int VE = 16 / sizeof (T), U = 8;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int steps = (in / VE + 31) / 32;   /* 16-byte chunks a lane takes */
+  const uint4 zero = make_uint4 (0, 0, 0, 0);
+  uint4 wv[U];
+  auto chunk_in = [&] (int st) { return (lane + 32 * st) * VE < in; };
+  auto load = [&] (int e, int s0) {
+    const uint4 *wr = (const uint4 *) (w + (size_t) e * in) + lane;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+      wv[u] = s0 + u < steps && chunk_in (s0 + u) ? __ldg (wr + 32 * (s0 + u)) : zero;
+  };
+
+  pdl_release ();
+  if (warp < E)
+    load (warp, 0);
+  pdl_wait ();
+  for (int e = warp; e < E; e += warps)
+    {
+      const uint4 *xr = (const uint4 *) x + lane;
+      float acc = 0;
+      for (int s0 = 0; s0 < steps; s0 += U)
+        {
+          if (s0 > 0 || e != warp)
+            load (e, s0);
+#pragma unroll
+          for (int u = 0; u < U; u++)
+            if (s0 + u < steps && chunk_in (s0 + u))
+              {
+                uint4 xv = __ldg (xr + 32 * (s0 + u));
+                const T *we = (const T *) &wv[u], *xe = (const T *) &xv;
+#pragma unroll
+                for (int i = 0; i < VE; i++)
+                  acc += to_f (we[i]) * to_f (xe[i]);
+              }
+        }
+      acc = warp_sum (acc);
+      if (lane == 0)
+        logits[e] = acc;
+    }
+}
+
+/* One block per row: the choice, as moe-transformer.c's route(), by its
+ * first warp; with r.w, the block's warps first make the row's logits. */
+template <typename T>
+__global__ void __launch_bounds__ (1024)
 route_kernel (MoeCudaRouter r)
 {
-  pdl_begin ();
   extern __shared__ int64_t route_sm[];
   int E = r.num_experts, K = r.top_k;
   /* the choice and its weights built in shared memory, written out at the
@@ -668,9 +758,19 @@ route_kernel (MoeCudaRouter r)
   unsigned char *taken = (unsigned char *) (sig + E);
   int lane = threadIdx.x % 32;
 
+  if (r.w != nullptr)
+    {
+      router_logits<T> ((const T *) r.w, (const T *) r.x + blockIdx.x * (size_t) r.ldx, E, r.hidden, logits);
+      __syncthreads ();
+      if (threadIdx.x >= 32)
+        return;
+    }
+  else
+    pdl_begin ();
   for (int e = lane; e < E; e += 32)
     {
-      float v = r.logits[blockIdx.x * (size_t) E + e] + (r.bias != nullptr ? r.bias[e] : 0.0f);
+      float v = (r.w != nullptr ? logits[e] : r.logits[blockIdx.x * (size_t) E + e]) +
+                (r.bias != nullptr ? r.bias[e] : 0.0f);
       /* DeepSeek routes in float32 whatever the model dtype */
       logits[e] = r.kind == MOE_CUDA_ROUTER_SIGMOID_GROUPED ? v : rnd<T> (v);
       taken[e] = 0;
@@ -1102,7 +1202,9 @@ moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
 {
   const int splits = moe_cuda_attention_splits (a);
   const int keys = a->split_keys > 0 ? a->split_keys : a->past_dev != NULL ? a->max_len : a->past + a->n_tokens;
-  size_t smem = (size_t) (a->dk + keys) * sizeof (float);
+  /* the query and scores, then the value groups' sums (at most 128
+   * threads × 8 elements of a 16-byte load) */
+  size_t smem = (size_t) max (a->dk + keys, 128 * 8) * sizeof (float);
   static int max_smem = 0;   /* one GPU per process (the cuda device's), read once */
   dim3 grid (a->batch * a->n_tokens, a->heads, splits);
 
@@ -1146,7 +1248,7 @@ moe_cuda_route (const MoeCudaRouter *r, cudaStream_t s)
   DISPATCH (r->dtype,
             if (smem > 48 * 1024)
               cudaFuncSetAttribute (route_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
-            launch_overlapped (route_kernel<T>, r->rows, 32, smem, s, *r));
+            launch_overlapped (route_kernel<T>, r->rows, r->w != NULL ? 1024 : 32, smem, s, *r));
 }
 
 template <typename T, int EPI>

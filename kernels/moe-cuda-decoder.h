@@ -136,6 +136,11 @@ typedef struct {
   float routed_scale;
   int n_group, topk_group;
   const float *logits;                  /* [rows, E]: x · routerᵀ in float32 */
+  /* or, with @w set, the kernel makes the logits itself (a few rows):
+   * w [E, hidden] in the model dtype, x [rows, hidden] rows @ldx apart;
+   * hidden a multiple of 16 bytes' elements */
+  const void *w, *x;
+  int hidden, ldx;
   const float *bias;                    /* [E] or NULL: added to the logits */
   const float *score_bias;              /* [E] or NULL: DeepSeek's choice bias */
   int64_t *ids;                         /* [rows, top_k] */

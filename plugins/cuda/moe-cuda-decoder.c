@@ -924,9 +924,16 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **err
       /* joined on every path: a capture must not end with a fork open */
       cudaEventRecord (d->join, d->side);
     }
-  if ((!side || h != NULL) && (logits = project (d, &L->router, x, m->hidden, rows, TRUE, error)) != NULL)
+  /* a few rows: the routing kernel makes the router's logits itself */
+  if (rows <= d->gemv_rows && m->hidden * d->elem % 16 == 0)
     {
-      r.logits = DATA (logits);
+      r.w = DATA (L->router.weight);
+      r.x = DATA (x);
+      r.hidden = r.ldx = m->hidden;
+    }
+  if ((!side || h != NULL) && (r.w != NULL || (logits = project (d, &L->router, x, m->hidden, rows, TRUE, error)) != NULL))
+    {
+      r.logits = OPT (logits);
       r.bias = OPT (L->router_bias);
       r.score_bias = OPT (L->score_bias);
       r.ids = DATA (ids);
