@@ -14,9 +14,22 @@
 # _gpu/baseline-commit, for tools/gpu-run.sh compare: the code before a
 # change timed beside the code after it, in one call.
 #
+# --candidate NAME builds this tree but keeps only its cuda plugin, as
+# _gpu/candidate-NAME.so.xz (its commit in _gpu/candidate-NAME.commit),
+# beside the bundle already there: several changes (branches) tested and
+# timed in one call (tools/gpu-run.sh test NAME, compare).
+#
 # SPDX-License-Identifier: LGPL-2.1-or-later
 set -eu
 cd "$(dirname "$0")/.."
+
+candidate=
+case "${1:-}" in
+  --candidate)
+    candidate=${2:?--candidate NAME}
+    case "$candidate" in *[!A-Za-z0-9_-]*) echo "a candidate's NAME is letters, digits, - and _" >&2; exit 2 ;; esac
+    [ -f _gpu/bundle.tar.xz ] || { echo "no _gpu/bundle.tar.xz to add a candidate to" >&2; exit 1 ; } ;;
+esac
 
 if [ "${1:-}" = --keep-baseline ]; then
   [ -f _gpu/bundle.tar.xz ] || { echo "no _gpu/bundle.tar.xz to keep a baseline of" >&2; exit 1; }
@@ -32,7 +45,18 @@ fi
 build=_build-gpu
 [ -f "$build/build.ninja" ] || meson setup "$build" -Dcuda=enabled -Dintrospection=disabled \
   -Dexamples=false -Dbuildtype=debugoptimized >/dev/null
-ninja -C "$build" >/dev/null
+ninja -C "$build" > "$build/bundle-ninja.log" 2>&1 || { tail -40 "$build/bundle-ninja.log" >&2; exit 1; }
+commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +)"
+
+if [ -n "$candidate" ]; then
+  plugin=$(mktemp)
+  strip -o "$plugin" "$build/plugins/cuda/libmoe-cuda.so"
+  xz -9e -c "$plugin" > "_gpu/candidate-$candidate.so.xz"
+  rm -f "$plugin"
+  echo "$commit" > "_gpu/candidate-$candidate.commit"
+  echo "_gpu/candidate-$candidate.so.xz: the cuda plugin of commit $commit"
+  exit 0
+fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -51,7 +75,8 @@ for f in "$stage"/lib/* "$stage"/plugins/*.so "$stage"/bin/*; do ldd "$f"; done 
   while read -r lib; do cp -L "$lib" "$stage/lib/"; done
 
 mkdir -p _gpu
+rm -f _gpu/candidate-*   # a new bundle starts a new set of candidates
 tar -C "$tmp" -cJf _gpu/bundle.tar.xz moe-gpu
 # "+": with changes not committed
-echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +)" > _gpu/commit
+echo "$commit" > _gpu/commit
 echo "_gpu/bundle.tar.xz: $(du -h _gpu/bundle.tar.xz | cut -f1), commit $(cat _gpu/commit)"

@@ -2,10 +2,12 @@
 # gpu-run.sh: on the GPU machine, unpack _gpu/bundle.tar.xz (tools/gpu-bundle.sh)
 # into /tmp/moe-gpu and run
 #
-#   tools/gpu-run.sh test           the gpu suite (tests/gpu) and the CPU
+#   tools/gpu-run.sh test [NAME]    the gpu suite (tests/gpu) and the CPU
 #                                   experts test, with the environment meson
 #                                   test gives them; prints "N passed, N failed,
-#                                   N skipped" and exits non-zero on a failure
+#                                   N skipped" and exits non-zero on a failure;
+#                                   NAME: with the cuda plugin of candidate NAME
+#                                   (tools/gpu-bundle.sh --candidate NAME)
 #   tools/gpu-run.sh bench [ARGS]   tools/bench-experts-cuda.py ARGS
 #   tools/gpu-run.sh model-bench [ARGS]
 #                                   tools/bench-model-cuda.py ARGS (a whole
@@ -25,9 +27,10 @@
 #                                   model-bench checkpoint, bf16, -s 16 -r 2
 #                                   -p 2048 -b 1,8) with the baseline's cuda
 #                                   plugin (tools/gpu-bundle.sh
-#                                   --keep-baseline) and this bundle's in
-#                                   turn, twice: the same machine's figures
-#                                   side by side; run model-bench first
+#                                   --keep-baseline), each candidate's and
+#                                   this bundle's in turn, twice: the same
+#                                   machine's figures side by side; run
+#                                   model-bench first
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts, or
 #                                   test-cuda-model) under compute-sanitizer
@@ -47,10 +50,34 @@ export MOE_PLUGIN_PATH="$root/plugins" MOE_PLUGIN_SYSTEM_PATH= MOE_TEST_DATA="$P
 export G_DEBUG=gc-friendly MALLOC_CHECK_=2
 echo "bundle of commit $(cat _gpu/commit 2>/dev/null || echo '?')"
 
+# plugins_of SIDE: the plugin folder with SIDE's cuda plugin: "this" (the
+# bundle's), "baseline" or a candidate's NAME
+plugins_of () {
+  [ "$1" = this ] && { echo "$root/plugins"; return; }
+  src=_gpu/candidate-$1.so.xz
+  [ "$1" = baseline ] && src=_gpu/baseline-cuda.so.xz
+  [ -f "$src" ] || { echo "no $src" >&2; return 1; }
+  rm -rf "/tmp/moe-side-$1" && mkdir -p "/tmp/moe-side-$1" && cp -r "$root/plugins" "/tmp/moe-side-$1/" &&
+    xz -dc "$src" > "/tmp/moe-side-$1/plugins/libmoe-cuda.so" && echo "/tmp/moe-side-$1/plugins"
+}
+
+commit_of () {
+  case "$1" in
+    this) cat _gpu/commit ;;
+    baseline) cat _gpu/baseline-commit ;;
+    *) cat "_gpu/candidate-$1.commit" ;;
+  esac 2>/dev/null || echo '?'
+}
+
 what=${1:-test}
 [ $# -gt 0 ] && shift
 case "$what" in
   test)
+    side=${1:-this}
+    MOE_PLUGIN_PATH=$(plugins_of "$side") || exit 1
+    export MOE_PLUGIN_PATH
+    prefix=
+    [ "$side" = this ] || { prefix=$side-; echo "the cuda plugin of candidate $side ($(commit_of "$side"))"; }
     passed=0 failed=0 skipped=0
     for t in test-cuda-experts test-cuda-model test-experts; do
       "$root/bin/$t" --tap > "/tmp/$t.log" 2>&1
@@ -67,24 +94,23 @@ case "$what" in
         echo "$t: FAIL (exit $rc)"; tail -30 "/tmp/$t.log"
         failed=$((failed + 1))
       fi
-      [ -n "${OUT:-}" ] && cp "/tmp/$t.log" "$OUT/"
+      [ -n "${OUT:-}" ] && cp "/tmp/$t.log" "$OUT/$prefix$t.log"
     done
     echo "$passed passed, $failed failed, $skipped skipped"
     [ $failed -eq 0 ] && [ $passed -gt 0 ]
     ;;
   compare)
-    [ -f _gpu/baseline-cuda.so.xz ] || { echo "no _gpu/baseline-cuda.so.xz (tools/gpu-bundle.sh --keep-baseline)" >&2; exit 1; }
-    rm -rf /tmp/moe-baseline && mkdir -p /tmp/moe-baseline && cp -r "$root/plugins" /tmp/moe-baseline/
-    xz -dc _gpu/baseline-cuda.so.xz > /tmp/moe-baseline/plugins/libmoe-cuda.so || exit 1
+    sides=
+    [ -f _gpu/baseline-cuda.so.xz ] && sides=baseline
+    for c in _gpu/candidate-*.so.xz; do
+      [ -f "$c" ] && c=${c#_gpu/candidate-} && sides="$sides ${c%.so.xz}"
+    done
+    [ -n "$sides" ] || { echo "nothing to compare with (tools/gpu-bundle.sh --keep-baseline or --candidate NAME)" >&2; exit 1; }
     [ $# -gt 0 ] || set -- -m /tmp/qwen1.5-moe-a2.7b-random --device cuda -d bfloat16 -s 16 -r 2 -p 2048 -b 1,8
     for round in 1 2; do
-      for side in baseline this; do
-        if [ $side = baseline ]; then
-          plugins=/tmp/moe-baseline/plugins commit=$(cat _gpu/baseline-commit 2>/dev/null)
-        else
-          plugins=$root/plugins commit=$(cat _gpu/commit 2>/dev/null)
-        fi
-        echo "== $side ($commit), round $round"
+      for side in $sides this; do
+        plugins=$(plugins_of "$side") || exit 1
+        echo "== $side ($(commit_of "$side")), round $round"
         MOE_PLUGIN_PATH=$plugins "$root/bin/moe-bench-model" "$@" | grep -E '^(prefill|decode)' || exit 1
       done
     done
