@@ -29,7 +29,8 @@
 #                                   plugin (tools/gpu-bundle.sh
 #                                   --keep-baseline), each candidate's and
 #                                   this bundle's in turn, twice: the same
-#                                   machine's figures side by side; run
+#                                   machine's figures side by side, then as
+#                                   a table (tools/compare-summary.py); run
 #                                   model-bench first
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts, or
@@ -113,7 +114,8 @@ case "$what" in
         echo "== $side ($(commit_of "$side")), round $round"
         MOE_PLUGIN_PATH=$plugins "$root/bin/moe-bench-model" "$@" | grep -E '^(prefill|decode)' || exit 1
       done
-    done
+    done | tee /tmp/compare.log
+    python3 tools/compare-summary.py /tmp/compare.log
     ;;
   sanitize)
     tool=${1:-memcheck}

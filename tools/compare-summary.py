@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+# compare-summary.py: the table of tools/gpu-run.sh compare's output (read
+# from a file or stdin): a row per measurement (prefill, prefill-generate,
+# decode B=… prompt=…), a column per side (baseline, candidates, this), each
+# cell its tok/s in every round, and each side's mean against the
+# reference's: the baseline where there is one, else this bundle.
+#
+# SPDX-License-Identifier: LGPL-2.1-or-later
+import re
+import sys
+from collections import OrderedDict
+
+side = None
+runs = OrderedDict()      # measurement -> side -> [tok/s, ...]
+sides = []
+for line in (open(sys.argv[1]) if len(sys.argv) > 1 else sys.stdin):
+    m = re.match(r'^== (\S+) \((.*)\), round', line)
+    if m:
+        side = f'{m.group(1)} ({m.group(2)})'
+        if side not in sides:
+            sides.append(side)
+        continue
+    m = re.match(r'^(\S+) (.*?) ?tok/s=([0-9.]+)', line)
+    if m and side is not None:
+        key = f'{m.group(1)} {m.group(2)}'.strip()
+        runs.setdefault(key, OrderedDict()).setdefault(side, []).append(float(m.group(3)))
+
+if not runs:
+    sys.exit('no measurements in the input')
+ref = next((s for s in sides if s.startswith('baseline ')),
+           next((s for s in sides if s.startswith('this ')), sides[0]))
+print('| tok/s | ' + ' | '.join(s + (' = ref' if s == ref else '') for s in sides) + ' |')
+print('|---|' + '---:|' * len(sides))
+for key, by_side in runs.items():
+    base = by_side.get(ref)
+    cells = []
+    for s in sides:
+        v = by_side.get(s)
+        if not v:
+            cells.append('—')
+            continue
+        cell = ' / '.join(f'{x:,.1f}' for x in v)
+        if base and s != ref:
+            cell += f' ({(sum(v) / len(v)) / (sum(base) / len(base)) - 1:+.1%})'
+        cells.append(cell)
+    print(f'| {key} | ' + ' | '.join(cells) + ' |')
