@@ -1191,17 +1191,22 @@ moe_cuda_store_kv (int dtype, int batch, int n_tokens, int kv_heads,
 }
 
 extern "C" int
+moe_cuda_attention_keys (const MoeCudaAttention *a)
+{
+  return a->past_dev != NULL ? a->max_len : a->past + a->n_tokens;
+}
+
+extern "C" int
 moe_cuda_attention_splits (const MoeCudaAttention *a)
 {
-  const int keys = a->past_dev != NULL ? a->max_len : a->past + a->n_tokens;
-  return a->split_keys > 0 ? (keys + a->split_keys - 1) / a->split_keys : 1;
+  return a->split_keys > 0 ? (moe_cuda_attention_keys (a) + a->split_keys - 1) / a->split_keys : 1;
 }
 
 extern "C" const char *
 moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
 {
   const int splits = moe_cuda_attention_splits (a);
-  const int keys = a->split_keys > 0 ? a->split_keys : a->past_dev != NULL ? a->max_len : a->past + a->n_tokens;
+  const int keys = a->split_keys > 0 ? a->split_keys : moe_cuda_attention_keys (a);
   /* the query and scores, then the value groups' sums (at most 128
    * threads × 8 elements of a 16-byte load) */
   size_t smem = (size_t) max (a->dk + keys, 128 * 8) * sizeof (float);

@@ -87,8 +87,10 @@ typedef struct {
   float *partial;                       /* with @split_keys: [B*T][heads][splits][dv + 2] scratch */
 } MoeCudaAttention;
 
-/* The key blocks moe_cuda_attention () splits one query's keys into (1
- * without @a->split_keys): what @a->partial must hold. */
+/* The keys one launch covers (a graph's: @a->max_len, whatever the step's
+ * past), and the blocks moe_cuda_attention () splits them into (1 without
+ * @a->split_keys): what @a->partial must hold. */
+int moe_cuda_attention_keys   (const MoeCudaAttention *a);
 int moe_cuda_attention_splits (const MoeCudaAttention *a);
 
 /* Returns NULL, or a static message saying what failed. */

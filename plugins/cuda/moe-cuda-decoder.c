@@ -707,8 +707,7 @@ attend (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int
     }
   /* a long context: blocks of keys, then their combination (eager
    * attention rounds probabilities normalised over every key: one block) */
-  if (!m->eager_attention && d->attention_split > 0 &&
-      (s->past_dev ? (int) s->cache->capacity : (int) (s->past + s->st->n_tokens)) > d->attention_split)
+  if (!m->eager_attention && d->attention_split > 0 && moe_cuda_attention_keys (&a) > d->attention_split)
     {
       a.split_keys = d->attention_split;
       partial = new_f32 (d, (gint64) s->rows * m->heads * moe_cuda_attention_splits (&a), dv + 2, error);
