@@ -9,15 +9,15 @@
 #   tools/gpu-bundle.sh
 #   (on the GPU machine, with _gpu carried)  tools/gpu-run.sh test
 #
-# --keep-baseline first keeps the cuda plugin of the bundle already there
-# (stripped, xz: ~9 MB) as _gpu/baseline-cuda.so.xz, with its commit in
-# _gpu/baseline-commit, for tools/gpu-run.sh compare: the code before a
-# change timed beside the code after it, in one call.
+# --candidate NAME builds this tree but keeps only its cuda plugin
+# (stripped, xz: ~2.6 MB), as _gpu/candidate-NAME.so.xz (its commit in
+# _gpu/candidate-NAME.commit), beside the bundle already there: several
+# changes (branches) tested and timed in one call (tools/gpu-run.sh test
+# NAME, compare). A new bundle drops the candidates, but the baseline:
 #
-# --candidate NAME builds this tree but keeps only its cuda plugin, as
-# _gpu/candidate-NAME.so.xz (its commit in _gpu/candidate-NAME.commit),
-# beside the bundle already there: several changes (branches) tested and
-# timed in one call (tools/gpu-run.sh test NAME, compare).
+# --keep-baseline first keeps the cuda plugin of the bundle already there
+# as the candidate "baseline", for tools/gpu-run.sh compare: the code
+# before a change timed beside the code after it, in one call.
 #
 # SPDX-License-Identifier: LGPL-2.1-or-later
 set -eu
@@ -31,15 +31,22 @@ case "${1:-}" in
     [ -f _gpu/bundle.tar.xz ] || { echo "no _gpu/bundle.tar.xz to add a candidate to" >&2; exit 1 ; } ;;
 esac
 
+# keep_plugin SO NAME COMMIT: SO stripped and compressed as candidate NAME
+keep_plugin () {
+  plugin=$(mktemp)
+  strip -o "$plugin" "$1"
+  xz -9e -c "$plugin" > "_gpu/candidate-$2.so.xz"
+  rm -f "$plugin"
+  echo "$3" > "_gpu/candidate-$2.commit"
+  echo "_gpu/candidate-$2.so.xz: the cuda plugin of commit $3"
+}
+
 if [ "${1:-}" = --keep-baseline ]; then
   [ -f _gpu/bundle.tar.xz ] || { echo "no _gpu/bundle.tar.xz to keep a baseline of" >&2; exit 1; }
   base=$(mktemp -d)
   tar -C "$base" -xJf _gpu/bundle.tar.xz moe-gpu/plugins/libmoe-cuda.so
-  strip "$base/moe-gpu/plugins/libmoe-cuda.so"
-  xz -9e -c "$base/moe-gpu/plugins/libmoe-cuda.so" > _gpu/baseline-cuda.so.xz
-  cp _gpu/commit _gpu/baseline-commit 2>/dev/null || echo '?' > _gpu/baseline-commit
+  keep_plugin "$base/moe-gpu/plugins/libmoe-cuda.so" baseline "$(cat _gpu/commit 2>/dev/null || echo '?')"
   rm -rf "$base"
-  echo "_gpu/baseline-cuda.so.xz: the cuda plugin of commit $(cat _gpu/baseline-commit)"
 fi
 
 build=_build-gpu
@@ -55,12 +62,7 @@ ninja -C "$build" > "$build/bundle-ninja.log" 2>&1 || { tail -40 "$build/bundle-
 commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +)"
 
 if [ -n "$candidate" ]; then
-  plugin=$(mktemp)
-  strip -o "$plugin" "$build/plugins/cuda/libmoe-cuda.so"
-  xz -9e -c "$plugin" > "_gpu/candidate-$candidate.so.xz"
-  rm -f "$plugin"
-  echo "$commit" > "_gpu/candidate-$candidate.commit"
-  echo "_gpu/candidate-$candidate.so.xz: the cuda plugin of commit $commit"
+  keep_plugin "$build/plugins/cuda/libmoe-cuda.so" "$candidate" "$commit"
   exit 0
 fi
 
@@ -81,7 +83,10 @@ for f in "$stage"/lib/* "$stage"/plugins/*.so "$stage"/bin/*; do ldd "$f"; done 
   while read -r lib; do cp -L "$lib" "$stage/lib/"; done
 
 mkdir -p _gpu
-rm -f _gpu/candidate-*   # a new bundle starts a new set of candidates
+# a new bundle starts a new set of candidates (the baseline stays)
+for c in _gpu/candidate-*; do
+  case "$c" in _gpu/candidate-baseline.*) ;; *) rm -f "$c" ;; esac
+done
 tar -C "$tmp" -cJf _gpu/bundle.tar.xz moe-gpu
 # "+": with changes not committed
 echo "$commit" > _gpu/commit

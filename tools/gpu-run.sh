@@ -52,22 +52,17 @@ export G_DEBUG=gc-friendly MALLOC_CHECK_=2
 echo "bundle of commit $(cat _gpu/commit 2>/dev/null || echo '?')"
 
 # plugins_of SIDE: the plugin folder with SIDE's cuda plugin: "this" (the
-# bundle's), "baseline" or a candidate's NAME
+# bundle's) or a candidate's NAME ("baseline": --keep-baseline's)
 plugins_of () {
   [ "$1" = this ] && { echo "$root/plugins"; return; }
   src=_gpu/candidate-$1.so.xz
-  [ "$1" = baseline ] && src=_gpu/baseline-cuda.so.xz
   [ -f "$src" ] || { echo "no $src" >&2; return 1; }
   rm -rf "/tmp/moe-side-$1" && mkdir -p "/tmp/moe-side-$1" && cp -r "$root/plugins" "/tmp/moe-side-$1/" &&
     xz -dc "$src" > "/tmp/moe-side-$1/plugins/libmoe-cuda.so" && echo "/tmp/moe-side-$1/plugins"
 }
 
 commit_of () {
-  case "$1" in
-    this) cat _gpu/commit ;;
-    baseline) cat _gpu/baseline-commit ;;
-    *) cat "_gpu/candidate-$1.commit" ;;
-  esac 2>/dev/null || echo '?'
+  if [ "$1" = this ]; then cat _gpu/commit; else cat "_gpu/candidate-$1.commit"; fi 2>/dev/null || echo '?'
 }
 
 what=${1:-test}
@@ -102,9 +97,11 @@ case "$what" in
     ;;
   compare)
     sides=
-    [ -f _gpu/baseline-cuda.so.xz ] && sides=baseline
+    [ -f _gpu/candidate-baseline.so.xz ] && sides=baseline   # first: the table's reference
     for c in _gpu/candidate-*.so.xz; do
-      [ -f "$c" ] && c=${c#_gpu/candidate-} && sides="$sides ${c%.so.xz}"
+      c=${c#_gpu/candidate-}
+      c=${c%.so.xz}
+      [ -f "_gpu/candidate-$c.so.xz" ] && [ "$c" != baseline ] && sides="$sides $c"
     done
     [ -n "$sides" ] || { echo "nothing to compare with (tools/gpu-bundle.sh --keep-baseline or --candidate NAME)" >&2; exit 1; }
     [ $# -gt 0 ] || set -- -m /tmp/qwen1.5-moe-a2.7b-random --device cuda -d bfloat16 -s 16 -r 2 -p 2048 -b 1,8
