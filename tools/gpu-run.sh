@@ -32,6 +32,11 @@
 #                                   machine's figures side by side, then as
 #                                   a table (tools/compare-summary.py); run
 #                                   model-bench first
+#   tools/gpu-run.sh compare-experts [ARGS]
+#                                   the same for moe-bench-cuda-experts ARGS
+#                                   (default: qwen1.5-moe's layer, grouped_mm,
+#                                   bf16, T = 2048, 16384): tokens a second
+#                                   through the layer (T / median call time)
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts, or
 #                                   test-cuda-model) under compute-sanitizer
@@ -95,7 +100,7 @@ case "$what" in
     echo "$passed passed, $failed failed, $skipped skipped"
     [ $failed -eq 0 ] && [ $passed -gt 0 ]
     ;;
-  compare)
+  compare|compare-experts)
     sides=
     [ -f _gpu/candidate-baseline.so.xz ] && sides=baseline   # first: the table's reference
     for c in _gpu/candidate-*.so.xz; do
@@ -104,12 +109,26 @@ case "$what" in
       [ -f "_gpu/candidate-$c.so.xz" ] && [ "$c" != baseline ] && sides="$sides $c"
     done
     [ -n "$sides" ] || { echo "nothing to compare with (tools/gpu-bundle.sh --keep-baseline or --candidate NAME)" >&2; exit 1; }
-    [ $# -gt 0 ] || set -- -m /tmp/qwen1.5-moe-a2.7b-random --device cuda -d bfloat16 -s 16 -r 2 -p 2048 -b 1,8
+    if [ "$what" = compare ]; then
+      [ $# -gt 0 ] || set -- -m /tmp/qwen1.5-moe-a2.7b-random --device cuda -d bfloat16 -s 16 -r 2 -p 2048 -b 1,8
+    else
+      [ $# -gt 0 ] || set -- -s 2048,1408,60,4 -t 2048,16384 -b grouped_mm --batches 3
+    fi
     for round in 1 2; do
       for side in $sides this; do
         plugins=$(plugins_of "$side") || exit 1
         echo "== $side ($(commit_of "$side")), round $round"
-        MOE_PLUGIN_PATH=$plugins "$root/bin/moe-bench-model" "$@" | grep -E '^(prefill|decode)' || exit 1
+        if [ "$what" = compare ]; then
+          MOE_PLUGIN_PATH=$plugins "$root/bin/moe-bench-model" "$@" | grep -E '^(prefill|decode)' || exit 1
+        else
+          # a JSON line a (backend, T): as "layer BACKEND T=… tok/s=…"
+          MOE_PLUGIN_PATH=$plugins "$root/bin/moe-bench-cuda-experts" "$@" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line) if line.startswith("{") else {}
+    if "median_us" in r:
+        print("layer %s T=%d tok/s=%.1f" % (r["backend"], r["T"], r["T"] / r["median_us"] * 1e6))' || exit 1
+        fi
       done
     done | tee /tmp/compare.log
     python3 tools/compare-summary.py /tmp/compare.log
@@ -137,5 +156,5 @@ case "$what" in
     python3 tools/ncu-summary.py /tmp/ncu.csv ${PROFILE_TAIL:-0}
     ;;
   *)
-    echo "usage: $0 test | bench [ARGS] | model-bench [ARGS] | profile [ARGS] | compare [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | model-bench [ARGS] | profile [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac
