@@ -645,16 +645,17 @@ make_tensor_map (CUtensorMap *map, const void *base, int es, size_t rows, int co
   return nullptr;
 }
 
-template <typename T, int MODE, bool FP8>
-__global__ void __launch_bounds__ (TM_THREADS, 1)
+template <typename T, int MODE, bool FP8, typename C>
+__global__ void __launch_bounds__ (C::THREADS, 1)
 grouped_gemm_tma (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, MoeCudaExperts p,
                   Route r, const float *a_scale, void *dst, int n_tiles)
 {
-  tma_gemm<T, MODE, FP8, 0, tma_bn<FP8> ()> (&ta, &tb, p, r, a_scale, dst, n_tiles);
+  tma_gemm<T, MODE, FP8, 0, C> (&ta, &tb, p, r, a_scale, dst, n_tiles);
 }
 
+template <typename C>
 const char *
-launch_tma (const void *kernel, long tiles, size_t smem, const void *a, int es, size_t a_rows, const void *w,
+launch_tma (const void *kernel, long tiles, const void *a, int es, size_t a_rows, const void *w,
             size_t w_rows, int k, int w_box_rows, MoeCudaExperts p, Route r, const float *a_scale, void *dst,
             int n_tiles, cudaStream_t s)
 {
@@ -663,7 +664,7 @@ launch_tma (const void *kernel, long tiles, size_t smem, const void *a, int es, 
   void *args[] = { &ta, &tb, &p, &r, &a_scale, &dst, &n_tiles };
   cudaError_t err;
 
-  if ((msg = make_tensor_map (&ta, a, es, a_rows, k, TM_BM)) != nullptr ||
+  if ((msg = make_tensor_map (&ta, a, es, a_rows, k, C::BM)) != nullptr ||
       (msg = make_tensor_map (&tb, w, es, w_rows, k, w_box_rows)) != nullptr)
     return msg;
   /* persistent: one CTA an SM (what the shared memory allows), each
@@ -673,22 +674,21 @@ launch_tma (const void *kernel, long tiles, size_t smem, const void *a, int es, 
   if (err == cudaSuccess)
     err = cudaDeviceGetAttribute (&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess)
-    err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
+    err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
   if (err == cudaSuccess)
-    err = cudaLaunchKernel (kernel, dim3 ((unsigned) (tiles < sms ? tiles : sms)), dim3 (TM_THREADS), args, smem, s);
+    err = cudaLaunchKernel (kernel, dim3 ((unsigned) (tiles < sms ? tiles : sms)), dim3 (C::THREADS), args, C::SMEM, s);
   return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
 }
 
 /* As run_grouped_wgmma, with the bulk-copy GEMMs: x is first gathered (and
  * for FP8 quantized) into sorted rows, which the copies read in boxes. */
-template <typename T, bool FP8>
+template <typename T, bool FP8, typename C>
 const char *
 run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const void *k_gu, const void *k_dn)
 {
-  constexpr int BN = tma_bn<FP8> ();
-  constexpr size_t smem = TmaTile<BN>::SMEM;
+  constexpr int BN = C::BN;
   const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
-  const long m_slots = (S + TM_BM - 1) / TM_BM + (long) (E < S ? E : S);
+  const long m_slots = (S + C::BM - 1) / C::BM + (long) (E < S ? E : S);
   const int outs = p.has_gate ? BN / 2 : BN;
   const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + BN - 1) / BN;
   const int upn = p.has_gate ? 2 * p.inter : p.inter;
@@ -697,7 +697,7 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
   const float *as = nullptr;
   const char *msg;
 
-  route<<<1, 1024, 0, s>>> (p.ids, S, E, TM_BM, w.r);
+  route<<<1, 1024, 0, s>>> (p.ids, S, E, C::BM, w.r);
   if (FP8)
     {
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs, true, w.r, E, p.top_k);
@@ -708,7 +708,7 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       gather_sorted<T><<<S, 256, 0, s>>> ((const T *) p.x, w.r, E, p.top_k, p.hidden, (T *) w.xg);
       a = w.xg;
     }
-  if ((msg = launch_tma (k_gu, m_slots * nt_gu, smem, a, es, S, p.up, (size_t) E * upn, p.hidden,
+  if ((msg = launch_tma<C> (k_gu, m_slots * nt_gu, a, es, S, p.up, (size_t) E * upn, p.hidden,
                          split ? BN / 2 : BN, p, w.r, as, w.h, nt_gu, s)) != nullptr)
     return msg;
   a = w.h;
@@ -718,10 +718,32 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq8, w.hs);
       a = w.hq8, as = w.hs;
     }
-  if ((msg = launch_tma (k_dn, m_slots * nt_dn, smem, a, es, S, p.down, (size_t) E * p.hidden, p.inter, BN,
+  if ((msg = launch_tma<C> (k_dn, m_slots * nt_dn, a, es, S, p.down, (size_t) E * p.hidden, p.inter, BN,
                          p, w.r, as, w.y, nt_dn, s)) != nullptr)
     return msg;
   return launch_combine<T> (p, w, s);
+}
+
+/* Whether the tall tile loads fewer k-steps of operands than the wide one,
+ * gate/up's and down's together, at the mean rows an expert. */
+bool
+tall_tiles_pay (const MoeCudaExperts &p)
+{
+  const long rows = ((long) p.tokens * p.top_k + p.num_experts - 1) / p.num_experts;
+  const int gu_rows = p.has_gate ? 2 * p.inter : p.inter;   /* weight rows */
+  auto k_steps = [&] (int bm, int bn) {
+    const long m_tiles = (rows + bm - 1) / bm;
+    return m_tiles * (((gu_rows + bn - 1) / bn) * (long) p.hidden + ((p.hidden + bn - 1) / bn) * (long) p.inter);
+  };
+  return k_steps (TmaTall::BM, TmaTall::BN) < k_steps (TmaWide<false>::BM, TmaWide<false>::BN);
+}
+
+template <typename T, bool FP8, typename C>
+const char *
+run_grouped_tma_with (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+{
+  return run_grouped_tma<T, FP8, C> (p, w, s, (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8, C>,
+                                     (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8, C>);
 }
 
 template <typename T, bool FP8>
@@ -730,9 +752,12 @@ run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s
 {
   if constexpr (!FP8 && sizeof (T) != 2)
     return "the bf16/f16 tensor-core path got another dtype";
-  else
-    return run_grouped_tma<T, FP8> (p, w, s, (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8>,
-                                    (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8>);
+  else if constexpr (!FP8)
+    {
+      if (tall_tiles_pay (p))
+        return run_grouped_tma_with<T, false, TmaTall> (p, w, s);
+    }
+  return run_grouped_tma_with<T, FP8, TmaWide<FP8>> (p, w, s);
 }
 
 /* sonicmoe's schedule: the gather of x fused into gate_up's prologue
@@ -766,8 +791,8 @@ run_deepgemm (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   switch (hopper_path (p, MOE_CUDA_DEEPGEMM))
     {
     case PATH_TMA:
-      return fp8 ? run_grouped_tma<B, true> (p, w, s, p.jit_tma_gate_up, p.jit_tma_down)
-                 : run_grouped_tma<B, false> (p, w, s, p.jit_tma_gate_up, p.jit_tma_down);
+      return fp8 ? run_grouped_tma<B, true, TmaWide<true>> (p, w, s, p.jit_tma_gate_up, p.jit_tma_down)
+                 : run_grouped_tma<B, false, TmaWide<false>> (p, w, s, p.jit_tma_gate_up, p.jit_tma_down);
     case PATH_WGMMA:
       return fp8 ? run_grouped_wgmma<B, true> (p, w, s, p.jit_gate_up, p.jit_down)
                  : run_grouped_wgmma<B, false> (p, w, s, p.jit_gate_up, p.jit_down);

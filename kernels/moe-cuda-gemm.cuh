@@ -646,6 +646,29 @@ wgmma_m64n256 (float d[128], uint64_t da, uint64_t db)
 #endif
 }
 
+/* d += A·Bᵀ over one k-step of 16 bf16/f16 values, 192 columns (the tall
+ * bulk-copy tile's) */
+#define MOE_WGMMA_M64N192(kind)                                                                    \
+  asm volatile ("wgmma.mma_async.sync.aligned." kind " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, 1, 1, 1, 0, 0;\n" \
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]) \
+                : "l"(da), "l"(db))
+
+template <typename TOp>
+__device__ __forceinline__ void
+wgmma_m64n192 (float d[96], uint64_t da, uint64_t db)
+{
+#if defined (__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (std::is_same<TOp, __nv_bfloat16>::value)
+    MOE_WGMMA_M64N192 ("m64n192k16.f32.bf16.bf16");
+  else if constexpr (std::is_same<TOp, __half>::value)
+    MOE_WGMMA_M64N192 ("m64n192k16.f32.f16.f16");
+  else
+    __trap ();
+#else
+  __trap ();
+#endif
+}
+
 /* The wgmma accumulator layout (m64nN, per warpgroup): thread lane of the
  * warp whose 16 rows start at row - lane / 4 holds, for each 8-column
  * block j, columns 8j + 2(lane % 4) + {0, 1} of its row and of row + 8. */
@@ -816,13 +839,12 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
  *
  * For A rows already in sorted order in one buffer (the gathered x, or h):
  * one producer warp issues bulk tensor copies (128-byte swizzle, what wgmma
- * reads) of 128-row A boxes and the tile's weight rows into a few-stage
- * ring guarded by mbarriers; two consumer warpgroups (64 rows each) run
- * wgmma as stages fill and hand each stage back when its products are done.
- * No block-wide barrier in the main loop. Rows and weight rows that belong
- * to the next expert (or lie past the end) are multiplied and never written.
- * Needs 16-byte aligned rows (H·size and I·size multiples of 16). */
-constexpr int TM_BM = 128, TM_THREADS = 384;
+ * reads) of the tile's A rows and weight rows into a few-stage ring guarded
+ * by mbarriers; consumer warpgroups (64 rows each) run wgmma as stages fill
+ * and hand each stage back when its products are done. No block-wide
+ * barrier in the main loop. Rows and weight rows that belong to the next
+ * expert (or lie past the end) are multiplied and never written. Needs
+ * 16-byte aligned rows (H·size and I·size multiples of 16). */
 
 /* The persistent GEMM's epilogue: each consumer warpgroup drains its 64 ×
  * BN accumulators through a buffer of its own (the ring is already
@@ -869,18 +891,29 @@ drain_accumulators (const MoeCudaExperts &p, const Route &r, const float (&d)[N 
     }
 }
 
-/* n-tiles of 128 columns (FP8, whose per-block partial sums take as many
- * registers again) or 256 (bf16/f16: half the tiles, so half the pipeline
- * fills and epilogues per FLOP) */
-template <int BN_>
+/* A tile of the bulk-copy GEMM: CW consumer warpgroups (BM = 64·CW rows)
+ * × BN columns, and the registers a thread of the producer warpgroup and of
+ * a consumer keep after setmaxnreg (together the SM's 64K). */
+template <int CW_, int BN_>
 struct TmaTile {
-  static constexpr int BN = BN_, STAGES = BN == 256 ? 4 : 5;
-  static constexpr int STAGE_BYTES = (TM_BM + BN) * WG_ROW_BYTES;
-  static constexpr size_t SMEM = (size_t) STAGES * STAGE_BYTES + 1024 + 2 * TM_EPI_BYTES;
+  static constexpr int CW = CW_, BM = 64 * CW, BN = BN_, THREADS = 128 * (CW + 1);
+  static constexpr int STAGE_BYTES = (BM + BN) * WG_ROW_BYTES, STAGES = STAGE_BYTES >= 48 * 1024 ? 4 : 5;
+  static constexpr size_t SMEM = (size_t) STAGES * STAGE_BYTES + 1024 + CW * TM_EPI_BYTES;
+  static constexpr int PRODUCER_REGS = CW == 2 ? 40 : 32, CONSUMER_REGS = CW == 2 ? 232 : 160;
+  static_assert (128 * PRODUCER_REGS + 128 * CW * CONSUMER_REGS <= 65536, "registers");
 };
 
+/* The wide tile, 128 rows × 256 columns (bf16/f16) or 128 (FP8, whose
+ * per-block partial sums take as many registers again): of 128 rows an
+ * expert or more, few pipeline fills and epilogues per FLOP. */
 template <bool FP8>
-constexpr int tma_bn () { return FP8 ? 128 : 256; }
+using TmaWide = TmaTile<2, FP8 ? 128 : 256>;
+
+/* The tall tile, 192 × 192 (bf16/f16): one m-tile for an expert of up to
+ * 192 rows, where the wide one takes two, the second nearly empty (137 rows
+ * an expert in a 2048-token prefill of 60 experts, top-4), each loading the
+ * whole weight tile every k-step. */
+using TmaTall = TmaTile<3, 192>;
 
 __device__ __forceinline__ unsigned
 smem_addr (const void *p)
@@ -925,7 +958,7 @@ tma_load (void *dst, const CUtensorMap *map, uint64_t *bar, int k, int row)
 #endif
 }
 
-template <typename T, int MODE, bool FP8, int KC, int BN>
+template <typename T, int MODE, bool FP8, int KC, typename C>
 __device__ __forceinline__ void
 tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p, const Route &r,
           const float *a_scale, void *dst, int n_tiles)
@@ -933,11 +966,11 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
 #if defined (__CUDA_ARCH_FEAT_SM90_ALL)
   using TOp = typename std::conditional<FP8, unsigned char, T>::type;
   constexpr int ES = sizeof (TOp), BK = WG_ROW_BYTES / ES;
-  constexpr int STAGES = TmaTile<BN>::STAGES, STAGE_BYTES = TmaTile<BN>::STAGE_BYTES;
-  static_assert (!FP8 || BN == 128, "FP8 tiles are 128 columns wide");
+  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
+  static_assert (!FP8 || (BN == 128 && C::CW == 2), "FP8 tiles are 128 × 128");
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
-  __shared__ float s_scale[FP8 ? STAGES : 1][TM_BM + BN];   /* FP8: rows', then columns' */
+  __shared__ float s_scale[FP8 ? STAGES : 1][BM + BN];   /* FP8: rows', then columns' */
   unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
   const int K = KC != 0 ? KC : (MODE != MODE_GATE_UP ? p.inter : p.hidden);
   const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
@@ -948,7 +981,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
    * the routed rows. Every thread walks the same tiles, and the ring's
    * stages and phases run on across them (it counts k-steps so far). */
   Tile t;
-  auto tile_at = [&] (int tile) { return find_tile (r, p.num_experts, TM_BM, tile / n_tiles, &t); };
+  auto tile_at = [&] (int tile) { return find_tile (r, p.num_experts, BM, tile / n_tiles, &t); };
 
   if (threadIdx.x == 0)
     {
@@ -956,20 +989,20 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
         {
           /* FP8: every producer lane writes scales and releases them itself */
           mbar_init (&full[s], FP8 ? 32 : 1);
-          mbar_init (&empty[s], 256);
+          mbar_init (&empty[s], C::CW * 128);
         }
       asm volatile ("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
   __syncthreads ();
 
   auto stage_a = [&] (int stage) { return smem + stage * STAGE_BYTES; };
-  auto stage_b = [&] (int stage) { return smem + stage * STAGE_BYTES + TM_BM * WG_ROW_BYTES; };
+  auto stage_b = [&] (int stage) { return smem + stage * STAGE_BYTES + BM * WG_ROW_BYTES; };
   const int wg = threadIdx.x / 128;
 
   if (wg == 0)
     {
       /* the producer: warp 0; lane 0 issues the copies */
-      asm volatile ("setmaxnreg.dec.sync.aligned.u32 40;\n");
+      asm volatile ("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(C::PRODUCER_REGS));
       if (threadIdx.x >= 32)
         return;
       const int lane = threadIdx.x;
@@ -979,7 +1012,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
        * columns'), loaded a stage ahead so their latency hides behind the
        * wait for a free stage; a column's come from where its weight row's
        * scales start (b_scale, -1 past the end) */
-      constexpr int PER_LANE = FP8 ? (TM_BM + BN) / 32 : 1;
+      constexpr int PER_LANE = FP8 ? (BM + BN) / 32 : 1;
       float next[PER_LANE];
       int b_scale[PER_LANE];
       auto load_scales = [&] (int kt) {
@@ -987,7 +1020,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
         for (int j = 0; j < PER_LANE; j++)
           {
             const int i = lane + 32 * j;
-            if (i < TM_BM)
+            if (i < BM)
               next[j] = i < t.rows ? a_scale[(size_t) kt * S + t.row0 + i] : 0.0f;
             else
               next[j] = b_scale[j] >= 0 ? fp8_scale_at<MODE> (p, b_scale[j] + kt) : 0.0f;
@@ -1002,7 +1035,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
 #pragma unroll
               for (int j = 0; j < PER_LANE; j++)
                 {
-                  const int c = lane + 32 * j - TM_BM, row = c >= 0 ? tile_weight_row<MODE> (p, BN, nt, c) : -1;
+                  const int c = lane + 32 * j - BM, row = c >= 0 ? tile_weight_row<MODE> (p, BN, nt, c) : -1;
                   b_scale[j] = row >= 0 ? fp8_scale_row<MODE> (p, t.e, row) : -1;
                 }
               load_scales (0);
@@ -1039,7 +1072,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       return;
     }
 
-  asm volatile ("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  asm volatile ("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(C::CONSUMER_REGS));
   const int cw = wg - 1;
   const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
   const int row = cw * 64 + warp_in_wg * 16 + lane / 4;   /* of the tile: this thread's first */
@@ -1070,7 +1103,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                 wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
               asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
               asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-              promote_fp8<TM_BM> (d, part, s_scale[it % STAGES], row, lane);
+              promote_fp8<BM> (d, part, s_scale[it % STAGES], row, lane);
               mbar_arrive (&empty[it % STAGES]);
             }
         }
@@ -1085,6 +1118,8 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
               for (int j = 0; j < BK / 16; j++)
                 if constexpr (BN == 256)
                   wgmma_m64n256<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
+                else if constexpr (BN == 192)
+                  wgmma_m64n192<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
                 else
                   wgmma_m64n128<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), 1);
               asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");

@@ -484,11 +484,11 @@ jit_source (gboolean  fp8,
         "\nextern \"C\" __global__ void __launch_bounds__ (256)\n"
         "moe_deepgemm_%s (MoeCudaExperts p, Route r, const void *a, const float *s, void *dst, int n_tiles)\n"
         "{\n  wgmma_gemm<__nv_bfloat16, %s, %s, %d> (p, r, a, s, dst, n_tiles);\n}\n"
-        "extern \"C\" __global__ void __launch_bounds__ (TM_THREADS, 1)\n"
+        "extern \"C\" __global__ void __launch_bounds__ (TmaWide<%s>::THREADS, 1)\n"
         "moe_deepgemm_tma_%s (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,\n"
         "                      MoeCudaExperts p, Route r, const float *s, void *dst, int n_tiles)\n"
-        "{\n  tma_gemm<__nv_bfloat16, %s, %s, %d, tma_bn<%s> ()> (&ta, &tb, p, r, s, dst, n_tiles);\n}\n",
-        name, mode_name, f, k, name, mode_name, f, k, f);
+        "{\n  tma_gemm<__nv_bfloat16, %s, %s, %d, TmaWide<%s>> (&ta, &tb, p, r, s, dst, n_tiles);\n}\n",
+        name, mode_name, f, k, f, name, mode_name, f, k, f);
     }
   return g_string_free (src, FALSE);
 }

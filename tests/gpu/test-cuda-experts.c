@@ -454,8 +454,12 @@ test_random_large (void)
 {
   check_random (16, 512, 384, 1000, 4, FALSE);
   check_random (8, 256, 128, 300, 2, TRUE);
-  /* many rows per expert, K not a multiple of the 64-wide k-tile */
+  /* many rows per expert, K not a multiple of the 64-wide k-tile (the
+   * bulk-copy GEMM's tall tiles, as next, partial n-tiles) */
   check_random (4, 200, 136, 600, 2, FALSE);
+  /* ~150 rows an expert: one tall m-tile each, where the wide tile (the
+   * first case's) takes two */
+  check_random (16, 256, 192, 600, 4, FALSE);
 }
 
 /* Freed blocks come back from the device's cache. */
