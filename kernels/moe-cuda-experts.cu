@@ -750,14 +750,13 @@ template <typename T, bool FP8>
 const char *
 run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
-  if constexpr (!FP8 && sizeof (T) != 2)
+  if constexpr (FP8)
+    return run_grouped_tma_with<T, true, TmaWide<true>> (p, w, s);
+  else if constexpr (sizeof (T) != 2)
     return "the bf16/f16 tensor-core path got another dtype";
-  else if constexpr (!FP8)
-    {
-      if (tall_tiles_pay (p))
-        return run_grouped_tma_with<T, false, TmaTall> (p, w, s);
-    }
-  return run_grouped_tma_with<T, FP8, TmaWide<FP8>> (p, w, s);
+  else
+    return tall_tiles_pay (p) ? run_grouped_tma_with<T, false, TmaTall> (p, w, s)
+                              : run_grouped_tma_with<T, false, TmaWide<false>> (p, w, s);
 }
 
 /* sonicmoe's schedule: the gather of x fused into gate_up's prologue
