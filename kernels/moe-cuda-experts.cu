@@ -680,6 +680,16 @@ launch_tma (const void *kernel, long tiles, const void *a, int es, size_t a_rows
   return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
 }
 
+/* n-tiles of tile shape C in gate/up (mode MODE_GATE_UP: gated tiles hold
+ * BN / 2 outputs) or in down */
+template <typename C>
+int
+tma_n_tiles (const MoeCudaExperts &p, int mode)
+{
+  const int outs = p.has_gate ? C::BN / 2 : C::BN;
+  return mode == MODE_GATE_UP ? (p.inter + outs - 1) / outs : (p.hidden + C::BN - 1) / C::BN;
+}
+
 /* As run_grouped_wgmma, with the bulk-copy GEMMs: x is first gathered (and
  * for FP8 quantized) into sorted rows, which the copies read in boxes. */
 template <typename T, bool FP8, typename C>
@@ -689,8 +699,7 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
   constexpr int BN = C::BN;
   const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
   const long m_slots = (S + C::BM - 1) / C::BM + (long) (E < S ? E : S);
-  const int outs = p.has_gate ? BN / 2 : BN;
-  const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + BN - 1) / BN;
+  const int nt_gu = tma_n_tiles<C> (p, MODE_GATE_UP), nt_dn = tma_n_tiles<C> (p, MODE_DOWN);
   const int upn = p.has_gate ? 2 * p.inter : p.inter;
   const bool split = p.has_gate && !p.interleaved;
   const void *a;
@@ -730,12 +739,12 @@ bool
 tall_tiles_pay (const MoeCudaExperts &p)
 {
   const long rows = ((long) p.tokens * p.top_k + p.num_experts - 1) / p.num_experts;
-  const int gu_rows = p.has_gate ? 2 * p.inter : p.inter;   /* weight rows */
-  auto k_steps = [&] (int bm, int bn) {
-    const long m_tiles = (rows + bm - 1) / bm;
-    return m_tiles * (((gu_rows + bn - 1) / bn) * (long) p.hidden + ((p.hidden + bn - 1) / bn) * (long) p.inter);
+  auto k_steps = [&] (auto shape) {
+    using C = decltype (shape);
+    const long m_tiles = (rows + C::BM - 1) / C::BM;
+    return m_tiles * (tma_n_tiles<C> (p, MODE_GATE_UP) * (long) p.hidden + tma_n_tiles<C> (p, MODE_DOWN) * (long) p.inter);
   };
-  return k_steps (TmaTall::BM, TmaTall::BN) < k_steps (TmaWide<false>::BM, TmaWide<false>::BN);
+  return k_steps (TmaTall ()) < k_steps (TmaWide<false> ());
 }
 
 template <typename T, bool FP8, typename C>
