@@ -733,18 +733,20 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
   return launch_combine<T> (p, w, s);
 }
 
-/* Whether the tall tile loads fewer k-steps of operands than the wide one,
+/* Whether the tall tile loads fewer bytes of operands than the wide one,
  * gate/up's and down's together, at the mean rows an expert. */
+template <bool FP8>
 bool
 tall_tiles_pay (const MoeCudaExperts &p)
 {
   const long rows = ((long) p.tokens * p.top_k + p.num_experts - 1) / p.num_experts;
-  auto k_steps = [&] (auto shape) {
+  auto bytes = [&] (auto shape) {
     using C = decltype (shape);
     const long m_tiles = (rows + C::BM - 1) / C::BM;
-    return m_tiles * (tma_n_tiles<C> (p, MODE_GATE_UP) * (long) p.hidden + tma_n_tiles<C> (p, MODE_DOWN) * (long) p.inter);
+    return m_tiles * (C::BM + C::BN) *
+           (tma_n_tiles<C> (p, MODE_GATE_UP) * (long) p.hidden + tma_n_tiles<C> (p, MODE_DOWN) * (long) p.inter);
   };
-  return k_steps (TmaTall ()) < k_steps (TmaWide<false> ());
+  return bytes (TmaTall<FP8> ()) < bytes (TmaWide<FP8> ());
 }
 
 template <typename T, bool FP8, typename C>
@@ -759,13 +761,11 @@ template <typename T, bool FP8>
 const char *
 run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
-  if constexpr (FP8)
-    return run_grouped_tma_with<T, true, TmaWide<true>> (p, w, s);
-  else if constexpr (sizeof (T) != 2)
+  if constexpr (!FP8 && sizeof (T) != 2)
     return "the bf16/f16 tensor-core path got another dtype";
   else
-    return tall_tiles_pay (p) ? run_grouped_tma_with<T, false, TmaTall> (p, w, s)
-                              : run_grouped_tma_with<T, false, TmaWide<false>> (p, w, s);
+    return tall_tiles_pay<FP8> (p) ? run_grouped_tma_with<T, FP8, TmaTall<FP8>> (p, w, s)
+                                   : run_grouped_tma_with<T, FP8, TmaWide<FP8>> (p, w, s);
 }
 
 /* sonicmoe's schedule: the gather of x fused into gate_up's prologue

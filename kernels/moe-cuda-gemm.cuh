@@ -669,6 +669,22 @@ wgmma_m64n192 (float d[96], uint64_t da, uint64_t db)
 #endif
 }
 
+/* d (+)= A·Bᵀ over one k-step of 32 e4m3 values, 96 columns (the tall FP8
+ * tile's); accumulate = 0 overwrites d */
+template <typename TOp>
+__device__ __forceinline__ void
+wgmma_m64n96_fp8 (float d[48], uint64_t da, uint64_t db, int accumulate)
+{
+#if defined (__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile ("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1;\n}\n"
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                : "l"(da), "l"(db), "r"(accumulate));
+#else
+  __trap ();
+#endif
+}
+
 /* The wgmma accumulator layout (m64nN, per warpgroup): thread lane of the
  * warp whose 16 rows start at row - lane / 4 holds, for each 8-column
  * block j, columns 8j + 2(lane % 4) + {0, 1} of its row and of row + 8. */
@@ -676,13 +692,13 @@ wgmma_m64n192 (float d[96], uint64_t da, uint64_t db)
 /* FP8: one 128-wide K block's products into the float accumulators, times
  * the rows' activation scales and the columns' weight scales (sc: the
  * tile's BM row scales, then its column scales). */
-template <int BM>
+template <int BM, int N = 128>
 __device__ __forceinline__ void
-promote_fp8 (float d[64], const float part[64], const float *sc, int row, int lane)
+promote_fp8 (float d[N / 2], const float part[N / 2], const float *sc, int row, int lane)
 {
   const float sa0 = sc[row], sa1 = sc[row + 8];
 #pragma unroll
-  for (int j = 0; j < 16; j++)
+  for (int j = 0; j < N / 8; j++)
     {
       int col = j * 8 + (lane % 4) * 2;
       float b0 = sc[BM + col], b1 = sc[BM + col + 1];
@@ -899,7 +915,7 @@ struct TmaTile {
   static constexpr int CW = CW_, BM = 64 * CW, BN = BN_, THREADS = 128 * (CW + 1);
   static constexpr int STAGE_BYTES = (BM + BN) * WG_ROW_BYTES, STAGES = STAGE_BYTES >= 48 * 1024 ? 4 : 5;
   static constexpr size_t SMEM = (size_t) STAGES * STAGE_BYTES + 1024 + CW * TM_EPI_BYTES;
-  static constexpr int PRODUCER_REGS = CW == 2 ? 40 : 32, CONSUMER_REGS = CW == 2 ? 232 : 160;
+  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = CW == 2 ? 232 : 152;
   static_assert (128 * PRODUCER_REGS + 128 * CW * CONSUMER_REGS <= 65536, "registers");
 };
 
@@ -909,11 +925,12 @@ struct TmaTile {
 template <bool FP8>
 using TmaWide = TmaTile<2, FP8 ? 128 : 256>;
 
-/* The tall tile, 192 × 192 (bf16/f16): one m-tile for an expert of up to
- * 192 rows, where the wide one takes two, the second nearly empty (137 rows
- * an expert in a 2048-token prefill of 60 experts, top-4), each loading the
- * whole weight tile every k-step. */
-using TmaTall = TmaTile<3, 192>;
+/* The tall tile, 192 × 192 (bf16/f16) or 192 × 96 (FP8): one m-tile for
+ * an expert of up to 192 rows, where the wide one takes two, the second
+ * nearly empty (137 rows an expert in a 2048-token prefill of 60 experts,
+ * top-4), each loading the whole weight tile every k-step. */
+template <bool FP8>
+using TmaTall = TmaTile<3, FP8 ? 96 : 192>;
 
 __device__ __forceinline__ unsigned
 smem_addr (const void *p)
@@ -967,7 +984,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   using TOp = typename std::conditional<FP8, unsigned char, T>::type;
   constexpr int ES = sizeof (TOp), BK = WG_ROW_BYTES / ES;
   constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
-  static_assert (!FP8 || (BN == 128 && C::CW == 2), "FP8 tiles are 128 × 128");
+  static_assert (!FP8 || (BN == 128 && C::CW == 2) || (BN == 96 && C::CW == 3), "FP8 tiles are 128 × 128 or 192 × 96");
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
   __shared__ float s_scale[FP8 ? STAGES : 1][BM + BN];   /* FP8: rows', then columns' */
@@ -1092,7 +1109,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
            * done. (Two sets, the next block's products running during the
            * scaling, made ptxas serialize every wgmma: it sees the other
            * set's registers read while products are in flight.) */
-          float part[64];
+          float part[BN / 2];
           for (int it = it0; it < it0 + ktiles; it++)
             {
               wait_full (it);
@@ -1100,10 +1117,13 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
               asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
               for (int j = 0; j < 4; j++)
-                wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+                if constexpr (BN == 96)
+                  wgmma_m64n96_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+                else
+                  wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
               asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
               asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-              promote_fp8<BM> (d, part, s_scale[it % STAGES], row, lane);
+              promote_fp8<BM, BN> (d, part, s_scale[it % STAGES], row, lane);
               mbar_arrive (&empty[it % STAGES]);
             }
         }

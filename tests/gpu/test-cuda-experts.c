@@ -440,6 +440,8 @@ test_random_fp8 (void)
 {
   check_random_fp8 (16, 512, 384, 1000, 4, MOE_QUANT_FORMAT_FP8);
   check_random_fp8 (8, 264, 200, 700, 2, MOE_QUANT_FORMAT_FP8_UE8M0);
+  /* ~140 rows an expert: the bulk-copy GEMM's tall FP8 tile (192 × 96) */
+  check_random_fp8 (16, 256, 192, 600, 4, MOE_QUANT_FORMAT_FP8);
 }
 
 static void
