@@ -482,6 +482,7 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
   w->r.offsets = (int *) take ((E + 1) * sizeof (int));
   w->r.tile_start = (int *) take ((E + 1) * sizeof (int));
   w->r.sorted_pair = (int *) take (S * sizeof (int));
+  w->r.tile_bm = (int *) take (sizeof (int));
   w->h = take (S * p->inter * es);
   w->y = take (S * p->hidden * es);
   if (schedule == MOE_CUDA_PER_EXPERT)
@@ -680,6 +681,11 @@ launch_tma (const void *kernel, long tiles, const void *a, int es, size_t a_rows
   return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
 }
 
+/* The bulk-copy GEMM kernels of one tile shape: gate/up's, down's. */
+struct TmaKernels {
+  const void *gate_up, *down;
+};
+
 /* n-tiles of tile shape C in gate/up (mode MODE_GATE_UP: gated tiles hold
  * BN / 2 outputs) or in down */
 template <typename C>
@@ -690,23 +696,51 @@ tma_n_tiles (const MoeCudaExperts &p, int mode)
   return mode == MODE_GATE_UP ? (p.inter + outs - 1) / outs : (p.hidden + C::BN - 1) / C::BN;
 }
 
-/* As run_grouped_wgmma, with the bulk-copy GEMMs: x is first gathered (and
- * for FP8 quantized) into sorted rows, which the copies read in boxes. */
-template <typename T, bool FP8, typename C>
-const char *
-run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const void *k_gu, const void *k_dn)
+/* The operand bytes one m-tile of shape C loads, gate/up and down together
+ * (route's TileChoice) */
+template <typename C>
+long long
+tma_m_tile_bytes (const MoeCudaExperts &p)
 {
-  constexpr int BN = C::BN;
-  const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
+  return (long long) (C::BM + C::BN) * WG_ROW_BYTES *
+         ((long long) tma_n_tiles<C> (p, MODE_GATE_UP) * p.hidden + (long long) tma_n_tiles<C> (p, MODE_DOWN) * p.inter);
+}
+
+/* One projection with tile shape C: a = the sorted rows (x gathered, or h) */
+template <typename C>
+const char *
+launch_tma_projection (int mode, const TmaKernels &k, const MoeCudaExperts &p, const Workspace &w, const void *a,
+                       int es, const float *as, cudaStream_t s)
+{
+  const int S = p.tokens * p.top_k, E = p.num_experts, nt = tma_n_tiles<C> (p, mode);
   const long m_slots = (S + C::BM - 1) / C::BM + (long) (E < S ? E : S);
-  const int nt_gu = tma_n_tiles<C> (p, MODE_GATE_UP), nt_dn = tma_n_tiles<C> (p, MODE_DOWN);
-  const int upn = p.has_gate ? 2 * p.inter : p.inter;
   const bool split = p.has_gate && !p.interleaved;
+
+  if (mode == MODE_GATE_UP)
+    return launch_tma<C> (k.gate_up, m_slots * nt, a, es, S, p.up, (size_t) E * (p.has_gate ? 2 * p.inter : p.inter),
+                          p.hidden, split ? C::BN / 2 : C::BN, p, w.r, as, w.h, nt, s);
+  return launch_tma<C> (k.down, m_slots * nt, a, es, S, p.down, (size_t) E * p.hidden, p.inter, C::BN, p, w.r, as,
+                        w.y, nt, s);
+}
+
+/* As run_grouped_wgmma, with the bulk-copy GEMMs: x is first gathered (and
+ * for FP8 quantized) into sorted rows, which the copies read in boxes. With
+ * a second tile shape D (kd), route picks C or D on the device from the
+ * rows each expert got, and both kernels are launched: the other returns at
+ * once (no host sync; a graph can hold it). */
+template <typename T, bool FP8, typename C, typename D = C>
+const char *
+run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const TmaKernels &kc,
+                 const TmaKernels &kd = {})
+{
+  constexpr bool two = !std::is_same<C, D>::value;
+  const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
+  const TileChoice choice = { two ? D::BM : 0, tma_m_tile_bytes<C> (p), tma_m_tile_bytes<D> (p) };
   const void *a;
   const float *as = nullptr;
   const char *msg;
 
-  route<<<1, 1024, 0, s>>> (p.ids, S, E, C::BM, w.r);
+  route<<<1, 1024, 0, s>>> (p.ids, S, E, C::BM, w.r, choice);
   if (FP8)
     {
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs, true, w.r, E, p.top_k);
@@ -717,8 +751,8 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       gather_sorted<T><<<S, 256, 0, s>>> ((const T *) p.x, w.r, E, p.top_k, p.hidden, (T *) w.xg);
       a = w.xg;
     }
-  if ((msg = launch_tma<C> (k_gu, m_slots * nt_gu, a, es, S, p.up, (size_t) E * upn, p.hidden,
-                         split ? BN / 2 : BN, p, w.r, as, w.h, nt_gu, s)) != nullptr)
+  if ((msg = launch_tma_projection<C> (MODE_GATE_UP, kc, p, w, a, es, as, s)) != nullptr ||
+      (two && (msg = launch_tma_projection<D> (MODE_GATE_UP, kd, p, w, a, es, as, s)) != nullptr))
     return msg;
   a = w.h;
   if (FP8)
@@ -727,36 +761,20 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq8, w.hs);
       a = w.hq8, as = w.hs;
     }
-  if ((msg = launch_tma<C> (k_dn, m_slots * nt_dn, a, es, S, p.down, (size_t) E * p.hidden, p.inter, BN,
-                         p, w.r, as, w.y, nt_dn, s)) != nullptr)
+  if ((msg = launch_tma_projection<C> (MODE_DOWN, kc, p, w, a, es, as, s)) != nullptr ||
+      (two && (msg = launch_tma_projection<D> (MODE_DOWN, kd, p, w, a, es, as, s)) != nullptr))
     return msg;
   return launch_combine<T> (p, w, s);
 }
 
-/* Whether the tall tile loads fewer bytes of operands than the wide one,
- * gate/up's and down's together, at the mean rows an expert. */
-template <bool FP8>
-bool
-tall_tiles_pay (const MoeCudaExperts &p)
-{
-  const long rows = ((long) p.tokens * p.top_k + p.num_experts - 1) / p.num_experts;
-  auto bytes = [&] (auto shape) {
-    using C = decltype (shape);
-    const long m_tiles = (rows + C::BM - 1) / C::BM;
-    return m_tiles * (C::BM + C::BN) *
-           (tma_n_tiles<C> (p, MODE_GATE_UP) * (long) p.hidden + tma_n_tiles<C> (p, MODE_DOWN) * (long) p.inter);
-  };
-  return bytes (TmaTall<FP8> ()) < bytes (TmaWide<FP8> ());
-}
-
 template <typename T, bool FP8, typename C>
-const char *
-run_grouped_tma_with (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
+TmaKernels
+tma_kernels ()
 {
-  return run_grouped_tma<T, FP8, C> (p, w, s, (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8, C>,
-                                     (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8, C>);
+  return { (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8, C>, (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8, C> };
 }
 
+/* The wide tile or the tall one, route's choice */
 template <typename T, bool FP8>
 const char *
 run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
@@ -764,8 +782,8 @@ run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s
   if constexpr (!FP8 && sizeof (T) != 2)
     return "the bf16/f16 tensor-core path got another dtype";
   else
-    return tall_tiles_pay<FP8> (p) ? run_grouped_tma_with<T, FP8, TmaTall<FP8>> (p, w, s)
-                                   : run_grouped_tma_with<T, FP8, TmaWide<FP8>> (p, w, s);
+    return run_grouped_tma<T, FP8, TmaWide<FP8>, TmaTall<FP8>> (p, w, s, tma_kernels<T, FP8, TmaWide<FP8>> (),
+                                                                tma_kernels<T, FP8, TmaTall<FP8>> ());
 }
 
 /* sonicmoe's schedule: the gather of x fused into gate_up's prologue
@@ -799,8 +817,8 @@ run_deepgemm (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   switch (hopper_path (p, MOE_CUDA_DEEPGEMM))
     {
     case PATH_TMA:
-      return fp8 ? run_grouped_tma<B, true, TmaWide<true>> (p, w, s, p.jit_tma_gate_up, p.jit_tma_down)
-                 : run_grouped_tma<B, false, TmaWide<false>> (p, w, s, p.jit_tma_gate_up, p.jit_tma_down);
+      return fp8 ? run_grouped_tma<B, true, TmaWide<true>> (p, w, s, { p.jit_tma_gate_up, p.jit_tma_down })
+                 : run_grouped_tma<B, false, TmaWide<false>> (p, w, s, { p.jit_tma_gate_up, p.jit_tma_down });
     case PATH_WGMMA:
       return fp8 ? run_grouped_wgmma<B, true> (p, w, s, p.jit_gate_up, p.jit_down)
                  : run_grouped_wgmma<B, false> (p, w, s, p.jit_gate_up, p.jit_down);

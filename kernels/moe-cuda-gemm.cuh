@@ -258,15 +258,24 @@ struct Route {
   int *offsets;     /* [E + 1]: first sorted row of each expert */
   int *tile_start;  /* [E + 1]: first m-tile of each expert */
   int *sorted_pair; /* [S]: sorted row -> t * K + k */
+  int *tile_bm;     /* [1]: the m-tile height route sorted for (the bulk-copy GEMMs of another one return at once) */
+};
+
+/* A second m-tile height route may take instead of its bm: the one whose
+ * m-tiles, each loading its operand bytes (bytes_a for bm's, bytes_b for
+ * bm_b's), load fewer in all, with the rows each expert really got. */
+struct TileChoice {
+  int bm_b;
+  long long bytes_a, bytes_b;
 };
 
 /* One block sorts every (token, slot) row by expert: zero the counts, count,
  * scan the counts and the m-tiles per expert, scatter. One launch: at
  * decode sizes the launches, not the work, are what costs. */
 __global__ void __launch_bounds__ (1024)
-route (const int64_t *ids, int S, int E, int bm, Route r)
+route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {})
 {
-  __shared__ int rows_sum[1024], tiles_sum[1024];
+  __shared__ int rows_sum[1024], tiles_sum[1024], tiles_ab[2];
   const int n = blockDim.x, tid = threadIdx.x;
   const int per = (E + n - 1) / n, lo = tid * per, hi = min (lo + per, E);
   int rows = 0, tiles = 0;
@@ -274,11 +283,26 @@ route (const int64_t *ids, int S, int E, int bm, Route r)
   for (int e = tid; e < E; e += n)
     r.counts[e] = 0, r.cursor[e] = 0;
   __syncthreads ();
+  if (tid == 0)
+    tiles_ab[0] = tiles_ab[1] = 0;
   for (int i = tid; i < S; i += n)
     if ((unsigned long long) ids[i] < (unsigned long long) E)
       atomicAdd (&r.counts[ids[i]], 1);
   __syncthreads ();
 
+  if (choice.bm_b > 0)
+    {
+      int a = 0, b = 0;
+      for (int e = lo; e < hi; e++)
+        a += (r.counts[e] + bm - 1) / bm, b += (r.counts[e] + choice.bm_b - 1) / choice.bm_b;
+      atomicAdd (&tiles_ab[0], a);
+      atomicAdd (&tiles_ab[1], b);
+      __syncthreads ();
+      if ((long long) tiles_ab[1] * choice.bytes_b < (long long) tiles_ab[0] * choice.bytes_a)
+        bm = choice.bm_b;
+    }
+  if (tid == 0 && r.tile_bm != nullptr)
+    *r.tile_bm = bm;
   for (int e = lo; e < hi; e++)
     rows += r.counts[e], tiles += (r.counts[e] + bm - 1) / bm;
   rows_sum[tid] = rows;
@@ -999,6 +1023,10 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
    * stages and phases run on across them (it counts k-steps so far). */
   Tile t;
   auto tile_at = [&] (int tile) { return find_tile (r, p.num_experts, BM, tile / n_tiles, &t); };
+
+  /* route sorted this call for the other tile height: its kernel runs it */
+  if (*r.tile_bm != BM)
+    return;
 
   if (threadIdx.x == 0)
     {
