@@ -888,12 +888,51 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
 
 /* The persistent GEMM's epilogue: each consumer warpgroup drains its 64 ×
  * BN accumulators through a buffer of its own (the ring is already
- * filling with the next tile's operands), TM_EPI_COLS columns at a time,
- * with tile_epilogue's one compact loop. (Straight from the registers,
- * every output's epilogue unrolled, measured 40-60% slower: the code
- * outgrew the instruction cache.) */
+ * filling with the next tile's operands), TM_EPI_COLS columns at a time.
+ * (Straight from the registers, every output's epilogue unrolled, measured
+ * 40-60% slower: the code outgrew the instruction cache.) Each thread then
+ * finishes a few adjacent outputs of a row and stores them as one vector:
+ * h's and y's rows are 16-byte aligned (I and H multiples of 8, the
+ * bulk-copy path's requirement), so a group is all in or all out.
+ * A thread's rows are the same in every chunk: down's (token, slot) row is
+ * looked up once a tile, not once an output. (One scalar store an output,
+ * its row looked up each time, took about 45% of down's consumer time at
+ * 16384 tokens, Nsight Compute's stall sampling.) */
 constexpr int TM_EPI_COLS = 32, TM_EPI_LD = TM_EPI_COLS + 4;
 constexpr int TM_EPI_BYTES = 64 * TM_EPI_LD * 4;
+
+/* N floats of 16-byte aligned shared memory */
+template <int N>
+__device__ __forceinline__ void
+load_floats (float (&v)[N], const float *src)
+{
+#pragma unroll
+  for (int i = 0; i < N / 4; i++)
+    {
+      const float4 f = ((const float4 *) src)[i];
+      v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+    }
+}
+
+/* W finished outputs as one or two vector stores (W · size bytes: 8 or 16
+ * a store) */
+template <typename T, int W>
+__device__ __forceinline__ void
+store_outputs (T *dst, const float (&v)[W])
+{
+  constexpr int BYTES = W * sizeof (T), VEC = BYTES % 16 == 0 ? 16 : 8;
+  using Vec = typename std::conditional<VEC == 16, uint4, uint2>::type;
+  union {
+    Vec vec[BYTES / VEC];
+    T t[W];
+  } out;
+#pragma unroll
+  for (int e = 0; e < W; e++)
+    out.t[e] = from_f<T> (v[e]);
+#pragma unroll
+  for (int i = 0; i < BYTES / VEC; i++)
+    ((Vec *) dst)[i] = out.vec[i];
+}
 
 template <typename T, int MODE, int N>
 __device__ __forceinline__ void
@@ -902,11 +941,26 @@ drain_accumulators (const MoeCudaExperts &p, const Route &r, const float (&d)[N 
 {
   /* a chunk of split gate/up columns: 16 gates and their 16 ups */
   const bool split = MODE == MODE_GATE_UP && p.has_gate && !p.interleaved;
-  const int lane = threadIdx.x % 32, row = (threadIdx.x % 128) / 32 * 16 + lane / 4, c0 = (lane % 4) * 2;
-  const Tile mine = { t.e, t.row0 + cw * 64, t.rows - cw * 64 };
+  const bool gated = MODE == MODE_GATE_UP && p.has_gate;
+  const int tid = threadIdx.x % 128, lane = threadIdx.x % 32, row = tid / 32 * 16 + lane / 4, c0 = (lane % 4) * 2;
+  const int rows = t.rows - cw * 64, row0 = t.row0 + cw * 64;
+  /* W adjacent outputs a (row, group) item (gate/up's 4: with the gates
+   * beside the ups, 8 took more registers than the tall tile's 128 and
+   * spilled); per chunk, 1 to 4 items a thread, the same rows in every
+   * chunk */
+  constexpr int W = MODE == MODE_GATE_UP ? 4 : 8, MAX_ITEMS = 64 * TM_EPI_COLS / W / 128;
+  const int outs = gated ? TM_EPI_COLS / 2 : TM_EPI_COLS, groups = outs / W, items = 64 * groups / 128;
+  const int ld = MODE == MODE_GATE_UP ? p.inter : p.hidden;
+  int dst_row[MAX_ITEMS];   /* h's sorted row, or y's (token, slot) row; -1: none */
 
-  if (mine.rows <= 0)   /* the same for the whole warpgroup */
+  if (rows <= 0)   /* the same for the whole warpgroup */
     return;
+#pragma unroll
+  for (int k = 0; k < MAX_ITEMS; k++)
+    {
+      const int i = (tid + 128 * k) / groups;
+      dst_row[k] = k >= items || i >= rows ? -1 : MODE == MODE_GATE_UP ? row0 + i : r.sorted_pair[row0 + i];
+    }
   for (int q = 0; q < N / TM_EPI_COLS; q++)
     {
       /* the accumulators' 8-column blocks of chunk q (d indexed by
@@ -925,8 +979,43 @@ drain_accumulators (const MoeCudaExperts &p, const Route &r, const float (&d)[N 
           at[8 * TM_EPI_LD + 1] = d[4 * j + 3];
         }
       asm volatile ("bar.sync %0, 128;\n" :: "r"(2 + cw) : "memory");
-      tile_epilogue<T, MODE> (p, r, buf, TM_EPI_LD, 64, TM_EPI_COLS, nt * (N / TM_EPI_COLS) + q, mine, dst,
-                              threadIdx.x % 128, 128);
+#pragma unroll
+      for (int k = 0; k < MAX_ITEMS; k++)
+        {
+          const int i = (tid + 128 * k) / groups, grp = (tid + 128 * k) % groups;
+          const int o0 = (nt * (N / TM_EPI_COLS) + q) * outs + grp * W;   /* h's or y's column */
+          if (dst_row[k] < 0 || o0 >= ld)
+            continue;
+          /* the item's columns: u (down's, or gate/up's up or only column)
+           * and g (gate), read as 16-byte vectors */
+          const float *src = buf + i * TM_EPI_LD;
+          float g[W] = {}, u[W];
+          if (MODE == MODE_GATE_UP && p.has_gate && p.interleaved)
+            {
+              float gu[2 * W];
+              load_floats<2 * W> (gu, src + grp * 2 * W);
+#pragma unroll
+              for (int e = 0; e < W; e++)
+                g[e] = gu[2 * e], u[e] = gu[2 * e + 1];
+            }
+          else
+            {
+              load_floats<W> (u, src + grp * W + (gated ? outs : 0));
+              if (gated)
+                load_floats<W> (g, src + grp * W);
+            }
+#pragma unroll
+          for (int e = 0; e < W; e++)
+            if (MODE != MODE_GATE_UP)
+              u[e] = down_finish<T> (p, t.e, o0 + e, u[e]);
+            else
+              {
+                int gr, ur;
+                gate_up_rows (p, o0 + e, &gr, &ur);
+                u[e] = gate_up_finish<T> (p, t.e, gr, ur, g[e], u[e]);
+              }
+          store_outputs<T, W> ((T *) dst + (size_t) dst_row[k] * ld + o0, u);
+        }
       asm volatile ("bar.sync %0, 128;\n" :: "r"(2 + cw) : "memory");
     }
 }
