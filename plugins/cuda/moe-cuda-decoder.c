@@ -515,7 +515,10 @@ typedef struct {
 } Step;
 
 /* MOE_CUDA_TRACE=1: each forward prints where its time went, on the GPU
- * (events between marks) and on the host, by part of the stack. */
+ * (events between marks) and on the host, by part of the stack, and how
+ * evenly its MoE layers routed: the rows each expert got (what the grouped
+ * GEMMs' m-tiles are cut from), from a copy of each layer's expert ids
+ * (queued after the experts: it adds a few µs to "shared/dense"). */
 enum { PART_QKV, PART_ROPE_KV, PART_ATTEND, PART_O, PART_ROUTER, PART_EXPERTS, PART_SHARED, PART_HEAD, N_PARTS };
 static const char *part_names[N_PARTS] = {
   "norm+qkv", "rope+kv", "attend", "o+norm", "router", "experts", "shared/dense", "embed+head"
@@ -528,7 +531,77 @@ typedef struct _Trace {
   GArray     *parts;    /* int */
   double      host[N_PARTS];
   gint64      last;
+  gint64     *routed;         /* pinned: each MoE layer's [rows, top_k] ids */
+  guint       routed_layers;
+  int         routed_rows, routed_k;
+  guint       num_experts;
 } Trace;
+
+static void
+trace_routing (Trace *tr, const MoeTransformer *m, MoeTensor *ids, int rows, cudaStream_t stream)
+{
+  const size_t n = (size_t) rows * m->top_k;
+
+  if (!tr->on)
+    return;
+  if (tr->routed == NULL)
+    {
+      if (cudaMallocHost ((void **) &tr->routed, n * m->layers * sizeof (gint64)) != cudaSuccess)
+        {
+          tr->routed = NULL;
+          return;
+        }
+      tr->routed_rows = rows, tr->routed_k = m->top_k, tr->num_experts = m->num_experts;
+    }
+  if (rows != tr->routed_rows || tr->routed_layers >= m->layers)
+    return;
+  cudaMemcpyAsync (tr->routed + tr->routed_layers++ * n, DATA (ids), n * sizeof (gint64), cudaMemcpyDeviceToHost, stream);
+}
+
+static int
+compare_guint (gconstpointer a, gconstpointer b)
+{
+  return (int) *(const guint *) a - (int) *(const guint *) b;
+}
+
+/* the routing line: per layer the rows an expert (fewest, median, most),
+ * the experts with none, and how full the m-tiles of 64, 128 and 192 rows
+ * cut from them are, averaged over the layers */
+static void
+trace_routing_report (const Trace *tr)
+{
+  static const int bm[3] = { 64, 128, 192 };
+  const size_t n = (size_t) tr->routed_rows * tr->routed_k;
+  double lo = 0, median = 0, hi = 0, empty = 0, fill[3] = { 0, };
+  g_autofree guint *count = g_new (guint, tr->num_experts);
+
+  if (tr->routed_layers == 0)
+    return;
+  for (guint l = 0; l < tr->routed_layers; l++)
+    {
+      const gint64 *ids = tr->routed + l * n;
+      guint64 routed = 0, tiled[3] = { 0, };
+
+      memset (count, 0, tr->num_experts * sizeof (guint));
+      for (size_t i = 0; i < n; i++)
+        if (ids[i] >= 0 && ids[i] < tr->num_experts)
+          count[ids[i]]++, routed++;
+      for (guint e = 0; e < tr->num_experts; e++)
+        for (int b = 0; b < 3; b++)
+          tiled[b] += (count[e] + bm[b] - 1) / bm[b] * (guint64) bm[b];
+      for (int b = 0; b < 3; b++)
+        fill[b] += tiled[b] ? (double) routed / tiled[b] : 0;
+      qsort (count, tr->num_experts, sizeof (guint), compare_guint);
+      lo += count[0], median += count[tr->num_experts / 2], hi += count[tr->num_experts - 1];
+      for (guint e = 0; e < tr->num_experts && count[e] == 0; e++)
+        empty++;
+    }
+  double L = tr->routed_layers;
+  g_printerr ("moe-cuda routing T=%d top-%d over %u experts, mean of %u layers: rows an expert fewest %.1f median %.1f "
+              "most %.1f, experts with none %.1f; m-tile fill 64: %.0f%%, 128: %.0f%%, 192: %.0f%%\n",
+              tr->routed_rows, tr->routed_k, tr->num_experts, tr->routed_layers, lo / L, median / L, hi / L, empty / L,
+              100 * fill[0] / L, 100 * fill[1] / L, 100 * fill[2] / L);
+}
 
 static void
 trace_mark (Trace *tr, cudaStream_t stream, int part)
@@ -576,6 +649,7 @@ trace_report (Trace *tr, const MoeDecoderStep *st)
   g_string_append_printf (line, " | total gpu %.3f host %.3f ms", total, host);
   g_printerr ("%s\n", line->str);
   g_string_free (line, TRUE);
+  trace_routing_report (tr);
 }
 
 /* also where a step fails part-way */
@@ -587,6 +661,8 @@ trace_clear (Trace *tr)
   for (guint i = 0; i < tr->events->len; i++)
     cudaEventDestroy (g_array_index (tr->events, cudaEvent_t, i));
   cudaEventDestroy (tr->start);
+  if (tr->routed != NULL)
+    cudaFreeHost (tr->routed);
   g_array_unref (tr->events);
   g_array_unref (tr->parts);
 }
@@ -940,7 +1016,10 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **err
       moe_cuda_route (&r, stream);
       trace_mark (tr, stream, PART_ROUTER);
       if ((y = moe_experts_forward (m->layer[li].experts, x, ids, w, error)) != NULL)
-        trace_mark (tr, stream, PART_EXPERTS);
+        {
+          trace_mark (tr, stream, PART_EXPERTS);
+          trace_routing (tr, m, ids, rows, stream);
+        }
     }
   if (side)
     cudaStreamWaitEvent (stream, d->join, 0);
