@@ -329,7 +329,7 @@ main (int argc, char *argv[])
                 gboolean dup;
                 do
                   {
-                    e = draw_expert (cdf, E);
+                    e = opt_skew > 0 ? draw_expert (cdf, E) : (gint64) (rng_next () % (guint64) E);
                     dup = FALSE;
                     for (gint64 j = 0; j < k; j++)
                       dup |= id[t * K + j] == e;
