@@ -49,8 +49,14 @@ set -u
 cd "$(dirname "$0")/.."
 
 root=/tmp/moe-gpu
-rm -rf "$root"
-tar -C /tmp -xJf _gpu/bundle.tar.xz || exit 1
+# unpacked once for a bundle: a device call runs this script many times,
+# and its time is what is short (the stamp: the bundle's checksum)
+stamp=$(cksum < _gpu/bundle.tar.xz) || exit 1
+if [ "$(cat "$root/.bundle" 2>/dev/null)" != "$stamp" ]; then
+  rm -rf "$root" /tmp/moe-side-*
+  tar -C /tmp -xJf _gpu/bundle.tar.xz || exit 1
+  echo "$stamp" > "$root/.bundle"
+fi
 export LD_LIBRARY_PATH="$root/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export MOE_PLUGIN_PATH="$root/plugins" MOE_PLUGIN_SYSTEM_PATH= MOE_TEST_DATA="$PWD/tests/data"
 export G_DEBUG=gc-friendly MALLOC_CHECK_=2
@@ -60,10 +66,15 @@ echo "bundle of commit $(cat _gpu/commit 2>/dev/null || echo '?')"
 # bundle's) or a candidate's NAME ("baseline": --keep-baseline's)
 plugins_of () {
   [ "$1" = this ] && { echo "$root/plugins"; return; }
-  src=_gpu/candidate-$1.so.xz
+  src=_gpu/candidate-$1.so.xz dir=/tmp/moe-side-$1
   [ -f "$src" ] || { echo "no $src" >&2; return 1; }
-  rm -rf "/tmp/moe-side-$1" && mkdir -p "/tmp/moe-side-$1" && cp -r "$root/plugins" "/tmp/moe-side-$1/" &&
-    xz -dc "$src" > "/tmp/moe-side-$1/plugins/libmoe-cuda.so" && echo "/tmp/moe-side-$1/plugins"
+  # unpacked once for this candidate file (a new bundle removes the folder)
+  cstamp=$(cksum < "$src") || return 1
+  if [ "$(cat "$dir/.candidate" 2>/dev/null)" != "$cstamp" ]; then
+    rm -rf "$dir" && mkdir -p "$dir" && cp -r "$root/plugins" "$dir/" &&
+      xz -dc "$src" > "$dir/plugins/libmoe-cuda.so" && echo "$cstamp" > "$dir/.candidate" || return 1
+  fi
+  echo "$dir/plugins"
 }
 
 commit_of () {
