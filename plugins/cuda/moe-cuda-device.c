@@ -482,19 +482,21 @@ jit_source (gboolean  fp8,
       int k = mode == 0 ? hidden : inter;
       const char *f = fp8 ? "true" : "false";
 
+      /* (prefix, tile shape) of the bulk-copy kernels */
+      const char *tma[2][2] = { { "tma", "TmaWide" }, { "tall", "TmaTall" } };
+
       g_string_append_printf (src,
         "\nextern \"C\" __global__ void __launch_bounds__ (256)\n"
         "moe_deepgemm_%s (MoeCudaExperts p, Route r, const void *a, const float *s, void *dst, int n_tiles)\n"
-        "{\n  wgmma_gemm<__nv_bfloat16, %s, %s, %d> (p, r, a, s, dst, n_tiles);\n}\n"
-        "extern \"C\" __global__ void __launch_bounds__ (TmaWide<%s>::THREADS, 1)\n"
-        "moe_deepgemm_tma_%s (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,\n"
-        "                      MoeCudaExperts p, Route r, const float *s, void *dst, int n_tiles)\n"
-        "{\n  tma_gemm<__nv_bfloat16, %s, %s, %d, TmaWide<%s>> (&ta, &tb, p, r, s, dst, n_tiles);\n}\n"
-        "extern \"C\" __global__ void __launch_bounds__ (TmaTall<%s>::THREADS, 1)\n"
-        "moe_deepgemm_tall_%s (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,\n"
-        "                      MoeCudaExperts p, Route r, const float *s, void *dst, int n_tiles)\n"
-        "{\n  tma_gemm<__nv_bfloat16, %s, %s, %d, TmaTall<%s>> (&ta, &tb, p, r, s, dst, n_tiles);\n}\n",
-        name, mode_name, f, k, f, name, mode_name, f, k, f, f, name, mode_name, f, k, f);
+        "{\n  wgmma_gemm<__nv_bfloat16, %s, %s, %d> (p, r, a, s, dst, n_tiles);\n}\n",
+        name, mode_name, f, k);
+      for (int t = 0; t < 2; t++)
+        g_string_append_printf (src,
+          "extern \"C\" __global__ void __launch_bounds__ (%s<%s>::THREADS, 1)\n"
+          "moe_deepgemm_%s_%s (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,\n"
+          "                      MoeCudaExperts p, Route r, const float *s, void *dst, int n_tiles)\n"
+          "{\n  tma_gemm<__nv_bfloat16, %s, %s, %d, %s<%s>> (&ta, &tb, p, r, s, dst, n_tiles);\n}\n",
+          tma[t][1], f, tma[t][0], name, mode_name, f, k, tma[t][1], f);
     }
   return g_string_free (src, FALSE);
 }
