@@ -810,15 +810,19 @@ run_deepgemm (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   using B = __nv_bfloat16;
   const bool fp8 = p.weight_format == MOE_CUDA_WEIGHTS_FP8;
 
-  if (p.jit_gate_up == nullptr || p.jit_down == nullptr || p.jit_tma_gate_up == nullptr || p.jit_tma_down == nullptr)
+  if (p.jit_gate_up == nullptr || p.jit_down == nullptr || p.jit_tma_gate_up == nullptr || p.jit_tma_down == nullptr ||
+      p.jit_tall_gate_up == nullptr || p.jit_tall_down == nullptr)
     return "the deepgemm schedule needs its just-in-time kernels";
   if (p.dtype != MOE_CUDA_BF16)
     return "deepgemm needs bfloat16 hidden states";
   switch (hopper_path (p, MOE_CUDA_DEEPGEMM))
     {
     case PATH_TMA:
-      return fp8 ? run_grouped_tma<B, true, TmaWide<true>> (p, w, s, { p.jit_tma_gate_up, p.jit_tma_down })
-                 : run_grouped_tma<B, false, TmaWide<false>> (p, w, s, { p.jit_tma_gate_up, p.jit_tma_down });
+      {
+        const TmaKernels wide = { p.jit_tma_gate_up, p.jit_tma_down }, tall = { p.jit_tall_gate_up, p.jit_tall_down };
+        return fp8 ? run_grouped_tma<B, true, TmaWide<true>, TmaTall<true>> (p, w, s, wide, tall)
+                   : run_grouped_tma<B, false, TmaWide<false>, TmaTall<false>> (p, w, s, wide, tall);
+      }
     case PATH_WGMMA:
       return fp8 ? run_grouped_wgmma<B, true> (p, w, s, p.jit_gate_up, p.jit_down)
                  : run_grouped_wgmma<B, false> (p, w, s, p.jit_gate_up, p.jit_down);

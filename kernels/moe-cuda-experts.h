@@ -47,7 +47,8 @@ typedef struct {
   /* the deepgemm schedule: its GEMMs compiled just in time for these shapes
    * (cudaKernel_t; see moe_cuda_experts_jit_source) */
   const void *jit_gate_up, *jit_down;           /* cp.async + wgmma (8-byte aligned rows) */
-  const void *jit_tma_gate_up, *jit_tma_down;   /* bulk tensor copies + wgmma */
+  const void *jit_tma_gate_up, *jit_tma_down;   /* bulk tensor copies + wgmma, the wide tile */
+  const void *jit_tall_gate_up, *jit_tall_down; /* the same, the tall tile (route picks one) */
 } MoeCudaExperts;
 
 /* Bytes of scratch device memory a schedule needs. */
