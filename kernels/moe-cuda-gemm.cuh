@@ -73,16 +73,26 @@ swiglu_plain (const MoeCudaExperts &p)
   return p.has_gate && !p.interleaved && p.up_bias == nullptr && p.activation == MOE_CUDA_ACT_SILU;
 }
 
-/* gate_up_finish for swiglu_plain: the same roundings; at 16-bit outputs
- * silu takes the fast exp and divide (their error is far below one
- * rounding), f32 the exact ones */
+/* gate_up_finish for swiglu_plain, but for the last rounding, which the
+ * store does. At 16-bit outputs silu takes the approximate exp2 and
+ * reciprocal (relative error ~1e-6, far under one rounding; denormals
+ * flushed: 1 + e^-g is 1 there), f32 the exact ones. */
 template <typename T>
 __device__ __forceinline__ float
 swiglu_fast (float g, float u)
 {
   g = rnd<T> (g);
-  const float silu = sizeof (T) == 2 ? __fdividef (g, 1.0f + __expf (-g)) : activate (MOE_CUDA_ACT_SILU, g);
-  return rnd<T> (rnd<T> (silu) * rnd<T> (u));
+  float silu;
+  if constexpr (sizeof (T) == 2)
+    {
+      float e, inv;
+      asm ("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+      asm ("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(1.0f + e));
+      silu = g * inv;
+    }
+  else
+    silu = activate (MOE_CUDA_ACT_SILU, g);
+  return rnd<T> (silu) * rnd<T> (u);
 }
 
 /* The weight rows behind output column j of h: gate row and up row. */
