@@ -73,16 +73,26 @@ swiglu_plain (const MoeCudaExperts &p)
   return p.has_gate && !p.interleaved && p.up_bias == nullptr && p.activation == MOE_CUDA_ACT_SILU;
 }
 
-/* gate_up_finish for swiglu_plain: the same roundings; at 16-bit outputs
- * silu takes the fast exp and divide (their error is far below one
- * rounding), f32 the exact ones */
+/* gate_up_finish for swiglu_plain, but for the last rounding, which the
+ * store does. At 16-bit outputs silu takes the approximate exp2 and
+ * reciprocal (relative error ~1e-6, far under one rounding; denormals
+ * flushed: 1 + e^-g is 1 there), f32 the exact ones. */
 template <typename T>
 __device__ __forceinline__ float
 swiglu_fast (float g, float u)
 {
   g = rnd<T> (g);
-  const float silu = sizeof (T) == 2 ? __fdividef (g, 1.0f + __expf (-g)) : activate (MOE_CUDA_ACT_SILU, g);
-  return rnd<T> (rnd<T> (silu) * rnd<T> (u));
+  float silu;
+  if constexpr (sizeof (T) == 2)
+    {
+      float e, inv;
+      asm ("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+      asm ("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(1.0f + e));
+      silu = g * inv;
+    }
+  else
+    silu = activate (MOE_CUDA_ACT_SILU, g);
+  return rnd<T> (silu) * rnd<T> (u);
 }
 
 /* The weight rows behind output column j of h: gate row and up row. */
@@ -934,14 +944,13 @@ load_floats (float (&v)[N], const float *src)
     }
 }
 
-/* W finished outputs as one or two vector stores (W · size bytes: 8 or 16
- * a store) */
+/* W finished outputs as vector stores (of 4, 8 or 16 bytes) */
 template <typename T, int W>
 __device__ __forceinline__ void
 store_outputs (T *dst, const float (&v)[W])
 {
-  constexpr int BYTES = W * sizeof (T), VEC = BYTES % 16 == 0 ? 16 : 8;
-  using Vec = typename std::conditional<VEC == 16, uint4, uint2>::type;
+  constexpr int BYTES = W * sizeof (T), VEC = BYTES % 16 == 0 ? 16 : BYTES % 8 == 0 ? 8 : 4;
+  using Vec = typename std::conditional<VEC == 16, uint4, typename std::conditional<VEC == 8, uint2, unsigned>::type>::type;
   union {
     Vec vec[BYTES / VEC];
     T t[W];
@@ -954,22 +963,62 @@ store_outputs (T *dst, const float (&v)[W])
     ((Vec *) dst)[i] = out.vec[i];
 }
 
-/* PLAIN: the common finish, known when the kernel starts: gate/up is
- * SwiGLU (silu of the gate half times the up half) and neither projection
- * has a bias. Then the layout is known at compile time and silu takes the
- * fast exp and divide (MUFU: relative error ~1e-6, under a 16-bit
- * rounding); every other case finishes output by output as the reference
- * does. (The general finish, one copy an output, was ~35% of gate/up's
- * consumer time at 2048 tokens: ~70 instructions an output, an activation
- * switch, and a code size that missed the instruction cache.) */
-template <typename T, int MODE, int N, bool PLAIN>
+/* The common finish: gate/up SwiGLU over split halves without bias, down
+ * without bias (swiglu_plain, down_bias). A thread holds each gate
+ * accumulator beside its up one (column c and c + N/2 of a split tile), so
+ * it finishes and stores its outputs straight from the registers: no
+ * staging in shared memory, no barrier, two adjacent outputs a 4-byte
+ * store. (Through the staging buffer, as every other case still runs,
+ * this finish was ~18% of gate/up's consumer time at 2048 tokens; the
+ * general finish, output by output with the activation switch, ~35%.) */
+template <typename T, int MODE, int N>
+__device__ __forceinline__ void
+finish_in_registers (const MoeCudaExperts &p, const Route &r, const float (&d)[N / 2], int cw, int nt,
+                     const Tile &t, void *dst)
+{
+  const int lane = threadIdx.x % 32, row = (threadIdx.x % 128) / 32 * 16 + lane / 4, c0 = (lane % 4) * 2;
+  const int rows = t.rows - cw * 64, row0 = t.row0 + cw * 64;
+  const int ld = MODE == MODE_GATE_UP ? p.inter : p.hidden;
+  constexpr int BLOCKS = MODE == MODE_GATE_UP ? N / 16 : N / 8;   /* 8-column blocks of outputs */
+  T *out[2];   /* this thread's two rows of h (sorted) or y (token, slot); nullptr: none */
+
+#pragma unroll
+  for (int h = 0; h < 2; h++)
+    {
+      const int i = row + 8 * h;
+      out[h] = i >= rows ? nullptr
+               : (T *) dst + (size_t) (MODE == MODE_GATE_UP ? row0 + i : r.sorted_pair[row0 + i]) * ld;
+    }
+#pragma unroll
+  for (int j = 0; j < BLOCKS; j++)
+    {
+      const int o = nt * (BLOCKS * 8) + j * 8 + c0;   /* h's or y's column: o and o + 1 */
+      if (o >= ld)
+        break;
+#pragma unroll
+      for (int h = 0; h < 2; h++)
+        {
+          float v[2];
+#pragma unroll
+          for (int e = 0; e < 2; e++)
+            v[e] = MODE == MODE_GATE_UP ? swiglu_fast<T> (d[4 * j + 2 * h + e], d[4 * (j + N / 16) + 2 * h + e])
+                                        : d[4 * j + 2 * h + e];   /* the store rounds */
+          if (out[h] != nullptr)
+            store_outputs<T, 2> (out[h] + o, v);
+        }
+    }
+}
+
+/* Every other finish, output by output as the reference does: each
+ * consumer warpgroup drains its 64 × N accumulators through its buffer. */
+template <typename T, int MODE, int N>
 __device__ __forceinline__ void
 drain_accumulators (const MoeCudaExperts &p, const Route &r, const float (&d)[N / 2], float *buf, int cw,
                     int nt, const Tile &t, void *dst)
 {
   /* a chunk of split gate/up columns: 16 gates and their 16 ups */
-  const bool split = MODE == MODE_GATE_UP && (PLAIN || (p.has_gate && !p.interleaved));
-  const bool gated = MODE == MODE_GATE_UP && (PLAIN || p.has_gate);
+  const bool split = MODE == MODE_GATE_UP && p.has_gate && !p.interleaved;
+  const bool gated = MODE == MODE_GATE_UP && p.has_gate;
   const int tid = threadIdx.x % 128, lane = threadIdx.x % 32, row = tid / 32 * 16 + lane / 4, c0 = (lane % 4) * 2;
   const int rows = t.rows - cw * 64, row0 = t.row0 + cw * 64;
   /* W adjacent outputs a (row, group) item (gate/up's 4: with the gates
@@ -1016,7 +1065,7 @@ drain_accumulators (const MoeCudaExperts &p, const Route &r, const float (&d)[N 
            * and g (gate), read as 16-byte vectors */
           const float *src = buf + i * TM_EPI_LD;
           float g[W] = {}, u[W];
-          if (!PLAIN && MODE == MODE_GATE_UP && p.has_gate && p.interleaved)
+          if (MODE == MODE_GATE_UP && p.has_gate && p.interleaved)
             {
               float gu[2 * W];
               load_floats<2 * W> (gu, src + grp * 2 * W);
@@ -1032,9 +1081,7 @@ drain_accumulators (const MoeCudaExperts &p, const Route &r, const float (&d)[N 
             }
 #pragma unroll
           for (int e = 0; e < W; e++)
-            if (PLAIN)
-              u[e] = MODE == MODE_GATE_UP ? swiglu_fast<T> (g[e], u[e]) : u[e];   /* the store rounds */
-            else if (MODE != MODE_GATE_UP)
+            if (MODE != MODE_GATE_UP)
               u[e] = down_finish<T> (p, t.e, o0 + e, u[e]);
             else
               {
@@ -1297,11 +1344,11 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
           mbar_arrive (&empty[(it0 + ktiles - 1) % STAGES]);
         }
       /* while the producer fills the ring with the next tile's operands */
-      float *buf = (float *) (smem + STAGES * STAGE_BYTES) + cw * 64 * TM_EPI_LD;
       if (MODE == MODE_GATE_UP ? swiglu_plain (p) : p.down_bias == nullptr)
-        drain_accumulators<T, MODE, BN, true> (p, r, d, buf, cw, tile % n_tiles, t, dst);
+        finish_in_registers<T, MODE, BN> (p, r, d, cw, tile % n_tiles, t, dst);
       else
-        drain_accumulators<T, MODE, BN, false> (p, r, d, buf, cw, tile % n_tiles, t, dst);
+        drain_accumulators<T, MODE, BN> (p, r, d, (float *) (smem + STAGES * STAGE_BYTES) + cw * 64 * TM_EPI_LD,
+                                         cw, tile % n_tiles, t, dst);
     }
 #else
   __trap ();
