@@ -58,10 +58,6 @@ else
   meson setup "$build" -Dcuda=enabled -Dintrospection=disabled -Dexamples=false -Dbuildtype=debugoptimized \
     -Dgpu_archs=90 >/dev/null
 fi
-# meson 1.0 passes nvcc no depfile option, so ninja misses a change to a
-# kernels/*.cuh (a checkout of another branch, say): the kernels' sources
-# are always recompiled
-touch kernels/*.cu
 ninja -C "$build" > "$build/bundle-ninja.log" 2>&1 || { tail -40 "$build/bundle-ninja.log" >&2; exit 1; }
 commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +)"
 
