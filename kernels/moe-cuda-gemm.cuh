@@ -73,26 +73,39 @@ swiglu_plain (const MoeCudaExperts &p)
   return p.has_gate && !p.interleaved && p.up_bias == nullptr && p.activation == MOE_CUDA_ACT_SILU;
 }
 
-/* gate_up_finish for swiglu_plain, but for the last rounding, which the
- * store does. At 16-bit outputs silu takes the approximate exp2 and
- * reciprocal (relative error ~1e-6, far under one rounding; denormals
- * flushed: 1 + e^-g is 1 there), f32 the exact ones. */
-template <typename T>
+/* silu at 16-bit outputs: the approximate exp2 and reciprocal (relative
+ * error ~1e-6, far under one rounding; denormals flushed: 1 + e^-g is 1
+ * there) */
 __device__ __forceinline__ float
-swiglu_fast (float g, float u)
+silu_approx (float g)
 {
-  g = rnd<T> (g);
-  float silu;
-  if constexpr (sizeof (T) == 2)
-    {
-      float e, inv;
-      asm ("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
-      asm ("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(1.0f + e));
-      silu = g * inv;
-    }
-  else
-    silu = activate (MOE_CUDA_ACT_SILU, g);
-  return rnd<T> (silu) * rnd<T> (u);
+  float e, inv;
+  asm ("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+  asm ("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(1.0f + e));
+  return g * inv;
+}
+
+__device__ __forceinline__ __nv_bfloat162 pair_of (__nv_bfloat16, float a, float b) { return __floats2bfloat162_rn (a, b); }
+__device__ __forceinline__ __half2 pair_of (__half, float a, float b) { return __floats2half2_rn (a, b); }
+__device__ __forceinline__ float2 floats_of (__nv_bfloat162 v) { return __bfloat1622float2 (v); }
+__device__ __forceinline__ float2 floats_of (__half2 v) { return __half22float2 (v); }
+
+/* gate_up_finish for swiglu_plain, two adjacent outputs of a 16-bit type
+ * at once, packed as stored: the gates and ups rounded to T, silu of the
+ * rounded gates rounded to T, and their product with the ups rounded once
+ * (a bf16x2/f16x2 multiply: the product of two 16-bit values is exact in
+ * f32, so this is the reference's f32 product rounded) */
+template <typename T>
+__device__ __forceinline__ unsigned
+swiglu_pair (float g0, float g1, float u0, float u1)
+{
+  const float2 g = floats_of (pair_of (T (), g0, g1));
+  union {
+    decltype (pair_of (T (), 0.0f, 0.0f)) v;
+    unsigned bits;
+  } y;
+  y.v = __hmul2 (pair_of (T (), silu_approx (g.x), silu_approx (g.y)), pair_of (T (), u0, u1));
+  return y.bits;
 }
 
 /* The weight rows behind output column j of h: gate row and up row. */
@@ -998,13 +1011,22 @@ finish_in_registers (const MoeCudaExperts &p, const Route &r, const float (&d)[N
 #pragma unroll
       for (int h = 0; h < 2; h++)
         {
-          float v[2];
-#pragma unroll
-          for (int e = 0; e < 2; e++)
-            v[e] = MODE == MODE_GATE_UP ? swiglu_fast<T> (d[4 * j + 2 * h + e], d[4 * (j + N / 16) + 2 * h + e])
-                                        : d[4 * j + 2 * h + e];   /* the store rounds */
-          if (out[h] != nullptr)
-            store_outputs<T, 2> (out[h] + o, v);
+          const float *a = d + 4 * j + 2 * h, *u = d + 4 * (j + N / 16) + 2 * h;   /* gates (or down's), ups */
+          if constexpr (MODE == MODE_GATE_UP && sizeof (T) == 2)
+            {
+              const unsigned y = swiglu_pair<T> (a[0], a[1], u[0], u[1]);
+              if (out[h] != nullptr)
+                *(unsigned *) (out[h] + o) = y;
+            }
+          else
+            {
+              /* f32 (FP8 experts on f32 hidden states): the exact silu; the store rounds */
+              float v[2] = { a[0], a[1] };
+              if (MODE == MODE_GATE_UP)
+                v[0] = activate (MOE_CUDA_ACT_SILU, a[0]) * u[0], v[1] = activate (MOE_CUDA_ACT_SILU, a[1]) * u[1];
+              if (out[h] != nullptr)
+                store_outputs<T, 2> (out[h] + o, v);
+            }
         }
     }
 }
