@@ -321,11 +321,57 @@ random_tensor (GRand *rand, MoeDType dtype, const gint64 *shape, guint n_dims, f
   return moe_tensor_to_dtype (f32, dtype, NULL);
 }
 
+/* How the experts finish their products, where not SwiGLU without biases:
+ * the GEMMs' general epilogue (the common one has a path of its own). */
+typedef struct {
+  const char *activation;
+  gboolean has_gate, biased;
+  MoeGateLayout layout;
+  double alpha, limit;   /* GPT-OSS's clamped SwiGLU, with the interleaved layout */
+} Finish;
+
+/* the finish of both experts objects, the biases moved to the device for
+ * the second */
 static void
-check_random (gint64 E, gint64 H, gint64 I, gint64 T, gint64 K, gboolean transposed)
+set_finish (MoeExperts *cpu_experts, MoeExperts *gpu_experts, const Finish *finish, GRand *rand, gint64 E,
+            gint64 H, gint64 up_rows)
 {
-  g_autoptr(GRand) rand = g_rand_new_with_seed ((guint32) (E * 1000003 + H * 101 + I + T + transposed));
-  gint64 up_shape[3] = { E, transposed ? H : 2 * I, transposed ? 2 * I : H };
+  gint64 up_bias_shape[2] = { E, up_rows }, down_bias_shape[2] = { E, H };
+
+  if (finish == NULL)
+    return;
+  for (guint i = 0; i < 2; i++)
+    {
+      MoeExperts *experts = i == 0 ? cpu_experts : gpu_experts;
+      moe_experts_set_activation (experts, finish->activation);
+      moe_experts_set_has_gate (experts, finish->has_gate);
+      moe_experts_set_gate_layout (experts, finish->layout);
+      if (finish->limit > 0)
+        {
+          moe_experts_set_swiglu_alpha (experts, finish->alpha);
+          moe_experts_set_swiglu_limit (experts, finish->limit);
+        }
+    }
+  if (finish->biased)
+    {
+      g_autoptr(MoeTensor) up_bias = random_tensor (rand, MOE_DTYPE_BF16, up_bias_shape, 2, 0.5f);
+      g_autoptr(MoeTensor) down_bias = random_tensor (rand, MOE_DTYPE_BF16, down_bias_shape, 2, 0.5f);
+      g_autoptr(MoeTensor) dup_bias = moe_tensor_to_device (up_bias, cuda, NULL);
+      g_autoptr(MoeTensor) ddown_bias = moe_tensor_to_device (down_bias, cuda, NULL);
+      moe_experts_set_up_bias (cpu_experts, up_bias);
+      moe_experts_set_down_bias (cpu_experts, down_bias);
+      moe_experts_set_up_bias (gpu_experts, dup_bias);
+      moe_experts_set_down_bias (gpu_experts, ddown_bias);
+    }
+}
+
+static void
+check_random_finish (gint64 E, gint64 H, gint64 I, gint64 T, gint64 K, gboolean transposed, const Finish *finish)
+{
+  g_autoptr(GRand) rand = g_rand_new_with_seed ((guint32) (E * 1000003 + H * 101 + I + T + transposed +
+                                                           (finish != NULL ? 7 : 0)));
+  const gint64 up_rows = finish == NULL || finish->has_gate ? 2 * I : I;
+  gint64 up_shape[3] = { E, transposed ? H : up_rows, transposed ? up_rows : H };
   gint64 down_shape[3] = { E, transposed ? I : H, transposed ? H : I };
   gint64 x_shape[2] = { T, H }, k_shape[2] = { T, K };
   g_autoptr(MoeTensor) up = random_tensor (rand, MOE_DTYPE_BF16, up_shape, 3, 0.1f);
@@ -351,15 +397,18 @@ check_random (gint64 E, gint64 H, gint64 I, gint64 T, gint64 K, gboolean transpo
     ids = moe_tensor_new_from_bytes (MOE_DTYPE_I64, k_shape, 2, b, NULL);
     dids = moe_tensor_to_device (ids, cuda, NULL);
   }
+  gpu_experts = moe_experts_new (dup, ddown);
+  set_finish (cpu_experts, gpu_experts, finish, rand, E, H, up_rows);
   moe_experts_set_is_transposed (cpu_experts, transposed);
   moe_experts_set_implementation (cpu_experts, "grouped_mm");
   cpu_out = moe_experts_forward (cpu_experts, x, ids, w, &error);
   g_assert_no_error (error);
 
-  gpu_experts = moe_experts_new (dup, ddown);
   moe_experts_set_is_transposed (gpu_experts, transposed);
   moe_experts_set_device (gpu_experts, "cuda");
-  for (guint i = 0; i < G_N_ELEMENTS (all_backends) - 1; i++)
+  /* deepgemm and sonicmoe run SwiGLU without biases only: the other finishes
+   * are grouped_mm's */
+  for (guint i = 0; i < G_N_ELEMENTS (all_backends) - 1 && (finish == NULL || i < G_N_ELEMENTS (backends) - 1); i++)
     {
       g_autoptr(MoeTensor) out = NULL;
       double err;
@@ -370,10 +419,16 @@ check_random (gint64 E, gint64 H, gint64 I, gint64 T, gint64 K, gboolean transpo
       out = experts_run (gpu_experts, all_backends[i], dx, dids, dw);
       err = moe_test_rel_error (out, cpu_out);
       g_test_message ("random E=%" G_GINT64_FORMAT " H=%" G_GINT64_FORMAT " I=%" G_GINT64_FORMAT
-                      " T=%" G_GINT64_FORMAT " %s: rel err vs CPU %.3g",
-                      E, H, I, T, all_backends[i], err);
+                      " T=%" G_GINT64_FORMAT "%s%s %s: rel err vs CPU %.3g", E, H, I, T,
+                      finish != NULL ? " " : "", finish != NULL ? finish->activation : "", all_backends[i], err);
       g_assert_cmpfloat (err, <=, 2e-2);
     }
+}
+
+static void
+check_random (gint64 E, gint64 H, gint64 I, gint64 T, gint64 K, gboolean transposed)
+{
+  check_random_finish (E, H, I, T, K, transposed, NULL);
 }
 
 /* Random FP8 experts (quantized here, float or UE8M0 scales) on the FP8
@@ -464,6 +519,23 @@ test_random_large (void)
   check_random (16, 256, 192, 600, 4, FALSE);
 }
 
+/* The finishes other than SwiGLU without biases, with ~150 rows an expert
+ * (the bulk-copy GEMM's general epilogue, through its staging buffer):
+ * GPT-OSS's (biases, interleaved gate/up, clamped SwiGLU), a gated GELU
+ * with biases, an ungated ReLU. */
+static void
+test_random_finishes (void)
+{
+  static const Finish finishes[] = {
+    { "silu", TRUE, TRUE, MOE_GATE_LAYOUT_INTERLEAVED, 1.702, 7.0 },
+    { "gelu_pytorch_tanh", TRUE, TRUE, MOE_GATE_LAYOUT_CONCATENATED, 0, 0 },
+    { "relu", FALSE, FALSE, MOE_GATE_LAYOUT_CONCATENATED, 0, 0 },
+  };
+
+  for (guint i = 0; i < G_N_ELEMENTS (finishes); i++)
+    check_random_finish (8, 256, 192, 600, 2, FALSE, &finishes[i]);
+}
+
 /* Freed blocks come back from the device's cache. */
 static void
 test_allocator_reuses (void)
@@ -527,6 +599,7 @@ main (int argc, char *argv[])
   g_test_add_func ("/cuda/experts/errors", test_errors);
   g_test_add_func ("/cuda/experts/random-odd-sizes", test_random_odd_sizes);
   g_test_add_func ("/cuda/experts/random-large", test_random_large);
+  g_test_add_func ("/cuda/experts/random-finishes", test_random_finishes);
   g_test_add_func ("/cuda/allocator-reuses", test_allocator_reuses);
 
   return g_test_run ();
