@@ -929,11 +929,13 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
  * expert (or lie past the end) are multiplied and never written. Needs
  * 16-byte aligned rows (H·size and I·size multiples of 16). */
 
-/* The persistent GEMM's epilogue: each consumer warpgroup drains its 64 ×
- * BN accumulators through a buffer of its own (the ring is already
- * filling with the next tile's operands), TM_EPI_COLS columns at a time.
- * (Straight from the registers, every output's epilogue unrolled, measured
- * 40-60% slower: the code outgrew the instruction cache.) Each thread then
+/* The persistent GEMM's general epilogue (every finish but the common one,
+ * finish_in_registers): each consumer warpgroup drains its 64 × BN
+ * accumulators through a buffer of its own (the ring is already filling
+ * with the next tile's operands), TM_EPI_COLS columns at a time. (Straight
+ * from the registers, this finish unrolled for every output measured
+ * 40-60% slower: the code outgrew the instruction cache; the common
+ * finish is small enough to.) Each thread then
  * finishes a few adjacent outputs of a row and stores them as one vector:
  * h's and y's rows are 16-byte aligned (I and H multiples of 8, the
  * bulk-copy path's requirement), so a group is all in or all out.
@@ -1011,7 +1013,8 @@ finish_in_registers (const MoeCudaExperts &p, const Route &r, const float (&d)[N
 #pragma unroll
       for (int h = 0; h < 2; h++)
         {
-          const float *a = d + 4 * j + 2 * h, *u = d + 4 * (j + N / 16) + 2 * h;   /* gates (or down's), ups */
+          /* gate/up: the gates and their ups; down: its products */
+          const float *a = d + 4 * j + 2 * h, *u = MODE == MODE_GATE_UP ? d + 4 * (j + N / 16) + 2 * h : a;
           if constexpr (MODE == MODE_GATE_UP && sizeof (T) == 2)
             {
               const unsigned y = swiglu_pair<T> (a[0], a[1], u[0], u[1]);
