@@ -102,6 +102,21 @@ const char *moe_cuda_attention       (const MoeCudaAttention *a, cudaStream_t st
 int         moe_cuda_flash_attention_fits (const MoeCudaAttention *a);
 void        moe_cuda_flash_attention      (const MoeCudaAttention *a, cudaStream_t stream);
 
+/* The two flash kernels: mma.sync (any GPU the plugin is built for, 64
+ * queries a block) and, on Hopper, warpgroup MMAs (128 queries a block;
+ * heads of 65…192 key and 65…128 value dims). moe_cuda_flash_attention ()
+ * takes the wgmma one where it fits, unless MOE_CUDA_FLASH=mma. */
+typedef enum {
+  MOE_CUDA_FLASH_ANY,
+  MOE_CUDA_FLASH_MMA_SYNC,
+  MOE_CUDA_FLASH_WGMMA,
+} MoeCudaFlashKernel;
+
+/* Runs @a through @kernel; 0 (and nothing launched) where that kernel
+ * does not take @a on this device. */
+int         moe_cuda_flash_attention_with (const MoeCudaAttention *a, MoeCudaFlashKernel kernel,
+                                           cudaStream_t stream);
+
 /* Attention for many queries as two batched cuBLAS GEMMs around this: the
  * masked softmax of the scores [B*heads][rows][len] (float32, already
  * scaled) of queries t0…t0+rows-1, written as probabilities in the model

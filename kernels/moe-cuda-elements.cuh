@@ -146,6 +146,26 @@ pdl_enabled ()
   return on;
 }
 
+/* Whether the current device is a Hopper (compute capability 9.0), which the
+ * sm_90a code needs; read once. */
+inline bool
+device_is_sm90 ()
+{
+  static int major = -1;
+  if (major < 0)
+    {
+      int dev = 0;
+      cudaGetDevice (&dev);
+      if (cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+        major = 0;
+      int minor = 0;
+      cudaDeviceGetAttribute (&minor, cudaDevAttrComputeCapabilityMinor, dev);
+      if (minor != 0)
+        major = 0;
+    }
+  return major == 9;
+}
+
 template <typename... Params, typename... Args>
 void
 launch_overlapped (void (*kernel) (Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args)

@@ -418,26 +418,6 @@ elem_size (int dtype)
   return dtype == MOE_CUDA_F32 ? 4 : 2;
 }
 
-/* Whether the current device is a Hopper (compute capability 9.0), which the
- * sm_90a code needs; read once. */
-bool
-device_is_sm90 ()
-{
-  static int major = -1;
-  if (major < 0)
-    {
-      int dev = 0;
-      cudaGetDevice (&dev);
-      if (cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-        major = 0;
-      int minor = 0;
-      cudaDeviceGetAttribute (&minor, cudaDevAttrComputeCapabilityMinor, dev);
-      if (minor != 0)
-        major = 0;
-    }
-  return major == 9;
-}
-
 /* How the grouped schedules (grouped, deepgemm, fused) run their GEMMs:
  * bulk tensor copies + warp-specialized wgmma where rows are 16-byte
  * aligned, cp.async + wgmma where they are only 8-byte aligned (both on

@@ -9,6 +9,9 @@
 #                                   NAME: with the cuda plugin of candidate NAME
 #                                   (tools/gpu-bundle.sh --candidate NAME)
 #   tools/gpu-run.sh bench [ARGS]   tools/bench-experts-cuda.py ARGS
+#   tools/gpu-run.sh attention-bench [ARGS]
+#                                   moe-bench-attention ARGS: the two prefill
+#                                   flash-attention kernels side by side
 #   tools/gpu-run.sh model-bench [ARGS]
 #                                   tools/bench-model-cuda.py ARGS (a whole
 #                                   model, beside transformers)
@@ -38,8 +41,8 @@
 #                                   bf16, T = 2048, 16384): tokens a second
 #                                   through the layer (T / median call time)
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
-#                                   a gpu test (test-cuda-experts, or
-#                                   test-cuda-model) under compute-sanitizer
+#                                   a gpu test (test-cuda-experts,
+#                                   test-cuda-model or test-cuda-attention) under compute-sanitizer
 #                                   --tool TOOL (memcheck, racecheck, …)
 #
 # The machine has CUDA and cuBLAS but no GLib: the bundle carries GLib.
@@ -91,7 +94,7 @@ case "$what" in
     prefix=
     [ "$side" = this ] || { prefix=$side-; echo "the cuda plugin of candidate $side ($(commit_of "$side"))"; }
     passed=0 failed=0 skipped=0
-    for t in test-cuda-experts test-cuda-model test-experts; do
+    for t in test-cuda-experts test-cuda-model test-cuda-attention test-experts; do
       "$root/bin/$t" --tap > "/tmp/$t.log" 2>&1
       rc=$?
       grep -E '^(not )?ok ' "/tmp/$t.log" | grep -v '^ok ' || true
@@ -154,6 +157,9 @@ for line in sys.stdin:
   bench)
     PYTHONUNBUFFERED=1 exec python3 tools/bench-experts-cuda.py --libmoe-bench "$root/bin/moe-bench-cuda-experts" "$@"
     ;;
+  attention-bench)
+    exec "$root/bin/moe-bench-attention" "$@"
+    ;;
   model-bench)
     PYTHONUNBUFFERED=1 exec python3 tools/bench-model-cuda.py --libmoe-bench "$root/bin/moe-bench-model" "$@"
     ;;
@@ -167,5 +173,5 @@ for line in sys.stdin:
     python3 tools/ncu-summary.py /tmp/ncu.csv ${PROFILE_TAIL:-0}
     ;;
   *)
-    echo "usage: $0 test | bench [ARGS] | model-bench [ARGS] | profile [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | model-bench [ARGS] | profile [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac
