@@ -487,8 +487,6 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
   const float scale = a.scaling * LOG2E;
   const int first = t0 + wg * 64 + warp * 16;   /* this warp's first query */
   const int row[2] = { first + g, first + g + 8 };
-  /* keys past this warpgroup's last query are masked for all its rows */
-  const int wg_last = k.past + t0 + wg * 64 + 63;
   const int n = k.kbeg < k.kend ? (k.kend - k.kbeg + HK - 1) / HK : 0;   /* key tiles */
   auto fetch = [&] (int i) {
     unsigned char *dst = stages + (i % S) * SB;
@@ -512,20 +510,18 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
   float o[DV / 8][4] = {};
   float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
   unsigned hi[HK / 16][4], lo[HK / 16][4];   /* the last tile's probabilities, for its p·v */
-  bool have_p = false;
 
   if (wg == 1)
     turn_pass (wg);   /* warpgroup 0 goes first */
   for (int i = 0; i < n; i++)
     {
       const int j0 = k.kbeg + i * HK;
-      const bool active = j0 <= wg_last;
       unsigned char *kt = stages + (i % S) * SB;
       float s[HK / 8][4];
 
       turn_wait (wg);
       asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
-      if (have_p)
+      if (i > 0)
         {
           /* o += p · v for the previous tile, p as hi + lo, v transposed */
           unsigned char *vt = stages + ((i - 1) % S) * SB + KB;
@@ -540,28 +536,24 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
       mbar_wait (&full[i % S], (i / S) & 1);
       /* the tensor cores read through the async proxy: order the copies first */
       asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
-      if (active)
-        /* s = q · kᵀ: this warpgroup's 64 queries × the tile's 128 keys */
+      /* s = q · kᵀ: this warpgroup's 64 queries × the tile's 128 keys
+       * (also where a tile lies past all of them: a condition on the
+       * warpgroup would have ptxas serialize every wgmma) */
 #pragma unroll
         for (int ks = 0; ks < DK / 16; ks++)
           wgmma_m64n128<T> (&s[0][0], wgmma_desc (qs + (ks / 4) * HQ * 128 + wg * 64 * 128 + (ks % 4) * 32),
                             wgmma_desc (kt + (ks / 4) * HK * 128 + (ks % 4) * 32), ks > 0);
       asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      if (wg == 0 || i + 1 < n)   /* (warpgroup 1's last pass would have no taker) */
-        turn_pass (wg);
+      turn_pass (wg);   /* (under a condition on wg, ptxas would serialize every wgmma) */
       asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       if (i > 0)
         mbar_arrive (&empty[(i - 1) % S]);
 
-      have_p = active;
-      if (active)
-        {
-          const bool mask = valid != nullptr || a.window > 0 || j0 + HK > k.kend || j0 + HK - 1 > k.past + first;
-          softmax_tile<HK / 8, DV / 8> (a, valid, k, j0, row, c, mask, scale, s, o, m, l);
+      const bool mask = valid != nullptr || a.window > 0 || j0 + HK > k.kend || j0 + HK - 1 > k.past + first;
+      softmax_tile<HK / 8, DV / 8> (a, valid, k, j0, row, c, mask, scale, s, o, m, l);
 #pragma unroll
-          for (int kk = 0; kk < HK / 16; kk++)
-            probability_fragments<T, HK / 8> (s, kk, hi[kk], lo[kk]);
-        }
+      for (int kk = 0; kk < HK / 16; kk++)
+        probability_fragments<T, HK / 8> (s, kk, hi[kk], lo[kk]);
       /* the tile S - 1 ahead, into the stage of the tile before this one
        * (at the loop's top the other warpgroup could not release it
        * before taking a turn that this one had not passed yet) */
@@ -572,7 +564,7 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
           fetch (i + S - 1);
         }
     }
-  if (have_p)
+  if (n > 0)
     {
       unsigned char *vt = stages + ((n - 1) % S) * SB + KB;
       asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -586,6 +578,8 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
       asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     }
+  if (wg == 0)
+    turn_wait (wg);   /* warpgroup 1's last pass */
   asm volatile ("cp.async.wait_all;\n");   /* (no key tile: the queries' copies) */
   finish_rows<T, DV / 8> (a, b, h, row, c, o, m, l);
 #else
