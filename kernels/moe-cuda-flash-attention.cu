@@ -360,7 +360,7 @@ launch_dims (const MoeCudaAttention *a, cudaStream_t s)
  * A block of two warpgroups takes 128 queries (64 each) and walks the keys
  * in tiles of 128, loaded by all its threads with cp.async into the
  * 128-byte swizzle that wgmma reads (rows of 64 dims: a head of DK dims is
- * DK / 64 such column blocks), two stages. Each warpgroup forms its scores
+ * DK / 64 such column blocks), a ring of stages. Each warpgroup forms its scores
  * s = q·kᵀ (m64n128k16, q and k from shared memory, both K-major), runs the
  * online softmax on them in its registers as the mma.sync kernel does, and
  * adds p·v with p from its registers (hi + lo) and v from shared memory
@@ -375,12 +375,6 @@ swizzled_bytes (int rows)
   return D / 64 * rows * 128;
 }
 
-template <int DK, int DV>
-constexpr int
-hopper_smem ()
-{
-  return 1024 + swizzled_bytes<DK> (HQ) + 2 * (swizzled_bytes<DK> (HK) + swizzled_bytes<DV> (HK));
-}
 
 /* Starts copying @n rows (zeros past them, and past @d dims) of @d
  * elements @stride apart at @src into @rows rows of column blocks in the
@@ -432,14 +426,51 @@ wgmma_m64n128_rs (float d[64], const unsigned a[4], uint64_t db)
 #endif
 }
 
+/* Ring stages of key/value tiles: three where they fit beside the queries
+ * (128 key dims), else two. */
+template <int DK>
+constexpr int
+hopper_stages ()
+{
+  return DK <= 128 ? 3 : 2;
+}
+
+__device__ __forceinline__ void
+cp_async_arrive (uint64_t *bar)
+{
+  /* an arrival once this thread's copies so far have landed (counted in the
+   * barrier's initial count) */
+  asm volatile ("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr (bar)) : "memory");
+}
+
+/* the two warpgroups' turns on the tensor cores (named barriers 1 and 2) */
+__device__ __forceinline__ void
+turn_wait (int wg)
+{
+  asm volatile ("bar.sync %0, 256;\n" :: "r"(1 + wg) : "memory");
+}
+
+__device__ __forceinline__ void
+turn_pass (int wg)
+{
+  asm volatile ("bar.arrive %0, 256;\n" :: "r"(1 + (wg ^ 1)) : "memory");
+}
+
+/* The warpgroups take turns (FlashAttention-3's ping-pong): one issues its
+ * products — the previous tile's p·v, then this tile's q·kᵀ — while the
+ * other runs its softmax, and hands the turn over once they are issued.
+ * Tiles arrive through a ring whose stages carry two mbarriers: full (each
+ * thread's copies landed) and empty (both warpgroups' products read it);
+ * every thread copies its share of each tile, S - 1 tiles ahead. */
 template <typename T, int DK>
 __global__ void __launch_bounds__ (H_THREADS, 1)
 flash_attention_wgmma_kernel (MoeCudaAttention a)
 {
 #if defined (__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int DV = 128, QB = swizzled_bytes<DK> (HQ), KB = swizzled_bytes<DK> (HK);
+  constexpr int DV = 128, S = hopper_stages<DK> (), QB = swizzled_bytes<DK> (HQ), KB = swizzled_bytes<DK> (HK);
   constexpr int SB = KB + swizzled_bytes<DV> (HK);   /* a stage: keys, then values */
   extern __shared__ unsigned char smem_raw[];
+  __shared__ uint64_t full[S], empty[S];
   unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
   unsigned char *qs = smem, *stages = smem + QB;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
@@ -456,60 +487,44 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
   const float scale = a.scaling * LOG2E;
   const int first = t0 + wg * 64 + warp * 16;   /* this warp's first query */
   const int row[2] = { first + g, first + g + 8 };
-  /* keys past this warpgroup's last query are masked for all its rows */
-  const int wg_last = k.past + t0 + wg * 64 + 63;
+  const int n = k.kbeg < k.kend ? (k.kend - k.kbeg + HK - 1) / HK : 0;   /* key tiles */
+  auto fetch = [&] (int i) {
+    unsigned char *dst = stages + (i % S) * SB;
+    int j0 = k.kbeg + i * HK, rows = min (HK, k.kend - j0);
+    fetch_swizzled<T, DK> (dst, HK, K + (size_t) j0 * a.dk, a.dk, rows, a.dk);
+    fetch_swizzled<T, DV> (dst + KB, HK, V + (size_t) j0 * a.dv, a.dv, rows, a.dv);
+    cp_async_arrive (&full[i % S]);
+  };
 
+  if (threadIdx.x == 0)
+    for (int i = 0; i < S; i++)
+      {
+        mbar_init (&full[i], H_THREADS);
+        mbar_init (&empty[i], H_THREADS);
+      }
+  __syncthreads ();
   fetch_swizzled<T, DK> (qs, HQ, Q, a.q_row_stride, a.n_tokens - t0, a.dk);
-  if (k.kbeg < k.kend)
-    {
-      fetch_swizzled<T, DK> (stages, HK, K + (size_t) k.kbeg * a.dk, a.dk, min (HK, k.kend - k.kbeg), a.dk);
-      fetch_swizzled<T, DV> (stages + KB, HK, V + (size_t) k.kbeg * a.dv, a.dv, min (HK, k.kend - k.kbeg), a.dv);
-    }
-  asm volatile ("cp.async.commit_group;\n");
+  for (int i = 0; i < S - 1 && i < n; i++)
+    fetch (i);   /* full[0] covers the queries too */
 
   float o[DV / 8][4] = {};
   float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
+  unsigned hi[HK / 16][4], lo[HK / 16][4];   /* the last tile's probabilities, for its p·v */
 
-  for (int j0 = k.kbeg, stage = 0; j0 < k.kend; j0 += HK, stage ^= 1)
+  if (wg == 1)
+    turn_pass (wg);   /* warpgroup 0 goes first */
+  for (int i = 0; i < n; i++)
     {
-      unsigned char *kt = stages + stage * SB, *vt = kt + KB;
+      const int j0 = k.kbeg + i * HK;
+      unsigned char *kt = stages + (i % S) * SB;
+      float s[HK / 8][4];
 
-      if (j0 + HK < k.kend)
+      turn_wait (wg);
+      asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+      if (i > 0)
         {
-          unsigned char *next = stages + (stage ^ 1) * SB;
-          int n = min (HK, k.kend - j0 - HK);
-          fetch_swizzled<T, DK> (next, HK, K + (size_t) (j0 + HK) * a.dk, a.dk, n, a.dk);
-          fetch_swizzled<T, DV> (next + KB, HK, V + (size_t) (j0 + HK) * a.dv, a.dv, n, a.dv);
-          asm volatile ("cp.async.commit_group;\n");
-          asm volatile ("cp.async.wait_group 1;\n");
-        }
-      else
-        asm volatile ("cp.async.wait_group 0;\n");
-      /* the tensor cores read through the async proxy: order the copies first */
-      asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
-      __syncthreads ();
-
-      if (j0 <= wg_last)
-        {
-          /* s = q · kᵀ: this warpgroup's 64 queries × the tile's 128 keys */
-          float s[HK / 8][4];
-          asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-          for (int ks = 0; ks < DK / 16; ks++)
-            wgmma_m64n128<T> (&s[0][0], wgmma_desc (qs + (ks / 4) * HQ * 128 + wg * 64 * 128 + (ks % 4) * 32),
-                              wgmma_desc (kt + (ks / 4) * HK * 128 + (ks % 4) * 32), ks > 0);
-          asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-          asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-
-          const bool mask = valid != nullptr || a.window > 0 || j0 + HK > k.kend || j0 + HK - 1 > k.past + first;
-          softmax_tile<HK / 8, DV / 8> (a, valid, k, j0, row, c, mask, scale, s, o, m, l);
-
-          /* o += p · v, p as hi + lo from the registers, v transposed */
-          unsigned hi[HK / 16][4], lo[HK / 16][4];
-#pragma unroll
-          for (int kk = 0; kk < HK / 16; kk++)
-            probability_fragments<T, HK / 8> (s, kk, hi[kk], lo[kk]);
-          asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+          /* o += p · v for the previous tile, p as hi + lo, v transposed */
+          unsigned char *vt = stages + ((i - 1) % S) * SB + KB;
 #pragma unroll
           for (int kk = 0; kk < HK / 16; kk++)
             {
@@ -517,11 +532,55 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
               wgmma_m64n128_rs<T> (&o[0][0], hi[kk], dv);
               wgmma_m64n128_rs<T> (&o[0][0], lo[kk], dv);
             }
-          asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-          asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         }
-      __syncthreads ();   /* this stage is refilled next iteration */
+      mbar_wait (&full[i % S], (i / S) & 1);
+      /* the tensor cores read through the async proxy: order the copies first */
+      asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
+      /* s = q · kᵀ: this warpgroup's 64 queries × the tile's 128 keys
+       * (also where a tile lies past all of them: a condition on the
+       * warpgroup would have ptxas serialize every wgmma) */
+#pragma unroll
+        for (int ks = 0; ks < DK / 16; ks++)
+          wgmma_m64n128<T> (&s[0][0], wgmma_desc (qs + (ks / 4) * HQ * 128 + wg * 64 * 128 + (ks % 4) * 32),
+                            wgmma_desc (kt + (ks / 4) * HK * 128 + (ks % 4) * 32), ks > 0);
+      asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      turn_pass (wg);   /* (under a condition on wg, ptxas would serialize every wgmma) */
+      asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      if (i > 0)
+        mbar_arrive (&empty[(i - 1) % S]);
+
+      const bool mask = valid != nullptr || a.window > 0 || j0 + HK > k.kend || j0 + HK - 1 > k.past + first;
+      softmax_tile<HK / 8, DV / 8> (a, valid, k, j0, row, c, mask, scale, s, o, m, l);
+#pragma unroll
+      for (int kk = 0; kk < HK / 16; kk++)
+        probability_fragments<T, HK / 8> (s, kk, hi[kk], lo[kk]);
+      /* the tile S - 1 ahead, into the stage of the tile before this one
+       * (at the loop's top the other warpgroup could not release it
+       * before taking a turn that this one had not passed yet) */
+      if (i + S - 1 < n)
+        {
+          if (i > 0)
+            mbar_wait (&empty[(i - 1) % S], ((i - 1) / S) & 1);
+          fetch (i + S - 1);
+        }
     }
+  if (n > 0)
+    {
+      unsigned char *vt = stages + ((n - 1) % S) * SB + KB;
+      asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < HK / 16; kk++)
+        {
+          uint64_t dv = wgmma_desc_mn (vt + kk * 16 * 128, HK * 128);
+          wgmma_m64n128_rs<T> (&o[0][0], hi[kk], dv);
+          wgmma_m64n128_rs<T> (&o[0][0], lo[kk], dv);
+        }
+      asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    }
+  if (wg == 0)
+    turn_wait (wg);   /* warpgroup 1's last pass */
+  asm volatile ("cp.async.wait_all;\n");   /* (no key tile: the queries' copies) */
   finish_rows<T, DV / 8> (a, b, h, row, c, o, m, l);
 #else
   __trap ();
@@ -543,7 +602,7 @@ template <typename T, int DK>
 void
 launch_wgmma (const MoeCudaAttention *a, cudaStream_t s)
 {
-  constexpr int smem = hopper_smem<DK, 128> ();
+  constexpr int smem = 1024 + swizzled_bytes<DK> (HQ) + hopper_stages<DK> () * (swizzled_bytes<DK> (HK) + swizzled_bytes<128> (HK));
   dim3 grid (a->heads, a->batch, (a->n_tokens + HQ - 1) / HQ);
   static bool opted_in;
 
