@@ -106,6 +106,30 @@ key_range (const MoeCudaAttention &a, int t0, int nq, int tile)
   return k;
 }
 
+/* What a block of queries t0…t0+nq-1 of sequence b and head h reads: its
+ * key range, the sequence's key padding (or NULL), and the head's keys and
+ * values in the cache. */
+template <typename T>
+struct HeadView {
+  KeyRange k;
+  const uint8_t *valid;
+  const T *K, *V;
+};
+
+template <typename T>
+__device__ __forceinline__ HeadView<T>
+head_view (const MoeCudaAttention &a, int b, int h, int t0, int nq, int tile)
+{
+  HeadView<T> v;
+  v.k = key_range (a, t0, nq, tile);
+  const size_t valid_stride = a.key_valid_stride > 0 ? a.key_valid_stride : v.k.past + a.n_tokens;
+  v.valid = a.key_valid != nullptr ? a.key_valid + b * valid_stride : nullptr;
+  const int kvh = h / (a.heads / a.kv_heads);
+  v.K = (const T *) a.k_cache + (size_t) (b * a.kv_heads + kvh) * a.capacity * a.dk;
+  v.V = (const T *) a.v_cache + (size_t) (b * a.kv_heads + kvh) * a.capacity * a.dv;
+  return v;
+}
+
 /* One tile's step of the online softmax, the same in both kernels: @s
  * holds the scores of this thread's two query rows @row (mma accumulator
  * layout: key octet n, keys 8n + 2c + {0, 1}, rows row[0] and row[1]) for
@@ -234,12 +258,10 @@ flash_attention_kernel (MoeCudaAttention a)
    * see the most keys) first, so the short ones fill the tail */
   const int h = blockIdx.x, b = blockIdx.y;
   const int t0 = (gridDim.z - 1 - blockIdx.z) * BQ;
-  const KeyRange k = key_range (a, t0, BQ, BK);
-  const size_t valid_stride = a.key_valid_stride > 0 ? a.key_valid_stride : k.past + a.n_tokens;
-  const uint8_t *valid = a.key_valid != nullptr ? a.key_valid + b * valid_stride : nullptr;
-  const int kvh = h / (a.heads / a.kv_heads);
-  const T *K = (const T *) a.k_cache + (size_t) (b * a.kv_heads + kvh) * a.capacity * a.dk;
-  const T *V = (const T *) a.v_cache + (size_t) (b * a.kv_heads + kvh) * a.capacity * a.dv;
+  const HeadView<T> view = head_view<T> (a, b, h, t0, BQ, BK);
+  const KeyRange k = view.k;
+  const uint8_t *valid = view.valid;
+  const T *K = view.K, *V = view.V;
   const bool async = a.dk % 8 == 0 && a.dv % 8 == 0 && (uintptr_t) K % 16 == 0 && (uintptr_t) V % 16 == 0;
   const float scale = a.scaling * LOG2E;   /* scores in log2 units: exp2 below */
   /* the two query rows (tokens of this step) whose fragments this thread holds */
@@ -435,7 +457,7 @@ hopper_stages ()
   return DK <= 128 ? 3 : 2;
 }
 
-__device__ __forceinline__ void
+[[maybe_unused]] __device__ __forceinline__ void
 cp_async_arrive (uint64_t *bar)
 {
   /* an arrival once this thread's copies so far have landed (counted in the
@@ -444,13 +466,13 @@ cp_async_arrive (uint64_t *bar)
 }
 
 /* the two warpgroups' turns on the tensor cores (named barriers 1 and 2) */
-__device__ __forceinline__ void
+[[maybe_unused]] __device__ __forceinline__ void
 turn_wait (int wg)
 {
   asm volatile ("bar.sync %0, 256;\n" :: "r"(1 + wg) : "memory");
 }
 
-__device__ __forceinline__ void
+[[maybe_unused]] __device__ __forceinline__ void
 turn_pass (int wg)
 {
   asm volatile ("bar.arrive %0, 256;\n" :: "r"(1 + (wg ^ 1)) : "memory");
@@ -477,12 +499,10 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
   const int g = lane / 4, c = lane % 4;
   const int h = blockIdx.x, b = blockIdx.y;
   const int t0 = (gridDim.z - 1 - blockIdx.z) * HQ;   /* the longest query tiles first */
-  const KeyRange k = key_range (a, t0, HQ, HK);
-  const size_t valid_stride = a.key_valid_stride > 0 ? a.key_valid_stride : k.past + a.n_tokens;
-  const uint8_t *valid = a.key_valid != nullptr ? a.key_valid + b * valid_stride : nullptr;
-  const int kvh = h / (a.heads / a.kv_heads);
-  const T *K = (const T *) a.k_cache + (size_t) (b * a.kv_heads + kvh) * a.capacity * a.dk;
-  const T *V = (const T *) a.v_cache + (size_t) (b * a.kv_heads + kvh) * a.capacity * a.dv;
+  const HeadView<T> view = head_view<T> (a, b, h, t0, HQ, HK);
+  const KeyRange k = view.k;
+  const uint8_t *valid = view.valid;
+  const T *K = view.K, *V = view.V;
   const T *Q = (const T *) a.q + (size_t) (b * a.n_tokens + t0) * a.q_row_stride + (size_t) h * a.dk;
   const float scale = a.scaling * LOG2E;
   const int first = t0 + wg * 64 + warp * 16;   /* this warp's first query */
