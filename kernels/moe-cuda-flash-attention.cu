@@ -397,7 +397,6 @@ swizzled_bytes (int rows)
   return D / 64 * rows * 128;
 }
 
-
 /* Starts copying @n rows (zeros past them, and past @d dims) of @d
  * elements @stride apart at @src into @rows rows of column blocks in the
  * 128-byte swizzle; d % 8 == 0 and 16-byte aligned rows. */
@@ -530,6 +529,17 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
   float o[DV / 8][4] = {};
   float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
   unsigned hi[HK / 16][4], lo[HK / 16][4];   /* the last tile's probabilities, for its p·v */
+  /* issues o += p · v for tile i: p as hi + lo from the registers, v transposed */
+  auto values_product = [&] (int i) {
+    unsigned char *vt = stages + (i % S) * SB + KB;
+#pragma unroll
+    for (int kk = 0; kk < HK / 16; kk++)
+      {
+        uint64_t dv = wgmma_desc_mn (vt + kk * 16 * 128, HK * 128);
+        wgmma_m64n128_rs<T> (&o[0][0], hi[kk], dv);
+        wgmma_m64n128_rs<T> (&o[0][0], lo[kk], dv);
+      }
+  };
 
   if (wg == 1)
     turn_pass (wg);   /* warpgroup 0 goes first */
@@ -542,17 +552,7 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
       turn_wait (wg);
       asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
       if (i > 0)
-        {
-          /* o += p · v for the previous tile, p as hi + lo, v transposed */
-          unsigned char *vt = stages + ((i - 1) % S) * SB + KB;
-#pragma unroll
-          for (int kk = 0; kk < HK / 16; kk++)
-            {
-              uint64_t dv = wgmma_desc_mn (vt + kk * 16 * 128, HK * 128);
-              wgmma_m64n128_rs<T> (&o[0][0], hi[kk], dv);
-              wgmma_m64n128_rs<T> (&o[0][0], lo[kk], dv);
-            }
-        }
+        values_product (i - 1);
       mbar_wait (&full[i % S], (i / S) & 1);
       /* the tensor cores read through the async proxy: order the copies first */
       asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -560,9 +560,9 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
        * (also where a tile lies past all of them: a condition on the
        * warpgroup would have ptxas serialize every wgmma) */
 #pragma unroll
-        for (int ks = 0; ks < DK / 16; ks++)
-          wgmma_m64n128<T> (&s[0][0], wgmma_desc (qs + (ks / 4) * HQ * 128 + wg * 64 * 128 + (ks % 4) * 32),
-                            wgmma_desc (kt + (ks / 4) * HK * 128 + (ks % 4) * 32), ks > 0);
+      for (int ks = 0; ks < DK / 16; ks++)
+        wgmma_m64n128<T> (&s[0][0], wgmma_desc (qs + (ks / 4) * HQ * 128 + wg * 64 * 128 + (ks % 4) * 32),
+                          wgmma_desc (kt + (ks / 4) * HK * 128 + (ks % 4) * 32), ks > 0);
       asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       turn_pass (wg);   /* (under a condition on wg, ptxas would serialize every wgmma) */
       asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -586,15 +586,8 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
     }
   if (n > 0)
     {
-      unsigned char *vt = stages + ((n - 1) % S) * SB + KB;
       asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int kk = 0; kk < HK / 16; kk++)
-        {
-          uint64_t dv = wgmma_desc_mn (vt + kk * 16 * 128, HK * 128);
-          wgmma_m64n128_rs<T> (&o[0][0], hi[kk], dv);
-          wgmma_m64n128_rs<T> (&o[0][0], lo[kk], dv);
-        }
+      values_product (n - 1);
       asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     }
@@ -661,11 +654,12 @@ moe_cuda_flash_attention_with (const MoeCudaAttention *a, MoeCudaFlashKernel ker
     return 0;
   if (mma_only < 0)
     mma_only = getenv ("MOE_CUDA_FLASH") != nullptr && strcmp (getenv ("MOE_CUDA_FLASH"), "mma") == 0;
+  const bool wgmma = wgmma_fits (a);
   if (kernel == MOE_CUDA_FLASH_ANY)
-    kernel = !mma_only && wgmma_fits (a) ? MOE_CUDA_FLASH_WGMMA : MOE_CUDA_FLASH_MMA_SYNC;
+    kernel = !mma_only && wgmma ? MOE_CUDA_FLASH_WGMMA : MOE_CUDA_FLASH_MMA_SYNC;
   if (kernel == MOE_CUDA_FLASH_WGMMA)
     {
-      if (!wgmma_fits (a))
+      if (!wgmma)
         return 0;
       if (a->dtype == MOE_CUDA_BF16)
         launch_wgmma_dims<__nv_bfloat16> (a, s);

@@ -113,7 +113,7 @@ main (int argc, char *argv[])
   for (int i = 0; list[i] != NULL; i++)
     {
       int t = atoi (list[i]);
-      MoeCudaAttention a = { 0, };
+      MoeCudaAttention a;
       double flops, mma, wg;
 
       if (t <= 0)
@@ -121,20 +121,14 @@ main (int argc, char *argv[])
           g_printerr ("-t: '%s' is not a positive token count\n", list[i]);
           return 2;
         }
-      a.dtype = MOE_CUDA_BF16;
-      a.batch = 1;
-      a.n_tokens = t;
-      a.heads = heads;
-      a.kv_heads = kv_heads;
-      a.dk = dk;
-      a.dv = dv;
-      a.q_row_stride = heads * dk;
-      a.capacity = t;
-      a.scaling = 1.0f / sqrtf ((float) dk);
-      a.q = random_bf16 (rand, (gsize) t * heads * dk);
-      a.k_cache = random_bf16 (rand, (gsize) kv_heads * t * dk);
-      a.v_cache = random_bf16 (rand, (gsize) kv_heads * t * dv);
-      a.out = random_bf16 (rand, (gsize) t * heads * dv);
+      a = (MoeCudaAttention) {
+        .dtype = MOE_CUDA_BF16, .batch = 1, .n_tokens = t, .heads = heads, .kv_heads = kv_heads, .dk = dk, .dv = dv,
+        .q_row_stride = heads * dk, .capacity = t, .scaling = 1.0f / sqrtf ((float) dk),
+        .q = random_bf16 (rand, (gsize) t * heads * dk),
+        .k_cache = random_bf16 (rand, (gsize) kv_heads * t * dk),
+        .v_cache = random_bf16 (rand, (gsize) kv_heads * t * dv),
+        .out = random_bf16 (rand, (gsize) t * heads * dv),
+      };
       flops = 2.0 * (dk + dv) * heads * ((double) t * (t + 1) / 2);
       mma = time_kernel (&a, MOE_CUDA_FLASH_MMA_SYNC, repeats);
       wg = time_kernel (&a, MOE_CUDA_FLASH_WGMMA, repeats);

@@ -105,7 +105,7 @@ check_problem (gconstpointer data, MoeCudaFlashKernel kernel)
   g_autofree double *score = g_new (double, keys);
   double err = 0.0, norm = 0.0;
   void *q_dev, *k_dev, *v_dev, *out_dev, *sinks_dev = NULL, *valid_dev = NULL;
-  MoeCudaAttention a = { 0, };
+  MoeCudaAttention a;
 
   for (int h = 0; h < p->heads; h++)
     sinks[h] = (float) g_rand_double_range (rand, -1.0, 3.0);
@@ -125,24 +125,12 @@ check_problem (gconstpointer data, MoeCudaFlashKernel kernel)
   if (p->padding)
     valid_dev = to_device (valid, (gsize) p->batch * keys);
 
-  a.dtype = p->dtype;
-  a.batch = p->batch;
-  a.n_tokens = p->n_tokens;
-  a.past = p->past;
-  a.heads = p->heads;
-  a.kv_heads = p->kv_heads;
-  a.dk = p->dk;
-  a.dv = p->dv;
-  a.q = q_dev;
-  a.q_row_stride = q_stride;
-  a.k_cache = k_dev;
-  a.v_cache = v_dev;
-  a.capacity = capacity;
-  a.key_valid = valid_dev;
-  a.window = p->window;
-  a.sinks = sinks_dev;
-  a.scaling = (float) scaling;
-  a.out = out_dev;
+  a = (MoeCudaAttention) {
+    .dtype = p->dtype, .batch = p->batch, .n_tokens = p->n_tokens, .past = p->past,
+    .heads = p->heads, .kv_heads = p->kv_heads, .dk = p->dk, .dv = p->dv,
+    .q = q_dev, .q_row_stride = q_stride, .k_cache = k_dev, .v_cache = v_dev, .capacity = capacity,
+    .key_valid = valid_dev, .window = p->window, .sinks = sinks_dev, .scaling = (float) scaling, .out = out_dev,
+  };
 
   if (!moe_cuda_flash_attention_with (&a, kernel, 0))
     {
