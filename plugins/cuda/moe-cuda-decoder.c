@@ -43,6 +43,7 @@ typedef struct {
   DevLayer             *layer;
   int                   gemv_rows;   /* projections of this many rows or fewer run as GEMVs */
   int                   prefill_attention_tokens;   /* steps of this many tokens or more: flash kernel or GEMMs */
+  int                   rope_store_rows;  /* steps of this many rows or fewer: RoPE and the KV write as one kernel */
   int                   attention_split;  /* decode over more keys: blocks of this many (MOE_CUDA_ATTENTION_SPLIT; 0: one) */
   gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
   gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
@@ -234,6 +235,10 @@ moe_cuda_decoder_new (MoeDevice      *device,
    * run the fixtures' 9-token prompts (and the decode steps) through them */
   d->prefill_attention_tokens = g_getenv ("MOE_CUDA_PREFILL_ATTENTION_TOKENS")
                                 ? MAX (atoi (g_getenv ("MOE_CUDA_PREFILL_ATTENTION_TOKENS")), 1) : 16;
+  /* MOE_CUDA_ROPE_STORE_ROWS moves the split between the decode steps'
+   * RoPE + KV-write kernel and the prefill's (the GPU test sets 0) */
+  d->rope_store_rows = g_getenv ("MOE_CUDA_ROPE_STORE_ROWS") ? MAX (atoi (g_getenv ("MOE_CUDA_ROPE_STORE_ROWS")), 0)
+                                                             : 16;
   d->attention_split = g_getenv ("MOE_CUDA_ATTENTION_SPLIT") ? MAX (atoi (g_getenv ("MOE_CUDA_ATTENTION_SPLIT")), 0)
                                                              : 128;
   d->trace = g_getenv ("MOE_CUDA_TRACE") != NULL;
@@ -810,10 +815,6 @@ rope (Decoder *d, const Step *s, MoeTensor *x, gsize offset, int heads, int row_
                  d->dev->stream);
 }
 
-/* rows up to which RoPE and the KV cache write run as one kernel (see
- * moe_cuda_rope_store_kv) */
-#define ROPE_STORE_ROWS 16
-
 static MoeTensor *
 attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error)
 {
@@ -839,7 +840,7 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
     }
   if (m->clip_qkv > 0)
     moe_cuda_clamp (d->dtype, DATA (qkv), (gsize) rows * n, m->clip_qkv, stream);
-  if (!m->rope_interleaved && rows <= ROPE_STORE_ROWS)
+  if (!m->rope_interleaved && rows <= d->rope_store_rows)
     moe_cuda_rope_store_kv (d->dtype, DATA (qkv), s->st->batch, s->st->n_tokens, n, m->heads, m->kv_heads, hd,
                             DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale,
                             DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,

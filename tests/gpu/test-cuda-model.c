@@ -56,6 +56,22 @@ test_family_split_attention (gconstpointer data)
   g_unsetenv ("MOE_CUDA_ATTENTION_SPLIT");
 }
 
+/* The prefill's row paths on the fixtures' 9-token prompts (at load:
+ * MOE_CUDA_GEMV_ROWS=0, MOE_CUDA_ROPE_STORE_ROWS=0): every projection
+ * through cuBLAS and its small kernels (bias, activation, gated add), RoPE
+ * and the KV-cache write as a prefill runs them, for the prompt and the
+ * decode steps alike. */
+static void
+test_family_prefill_rows (gconstpointer data)
+{
+  g_setenv ("MOE_CUDA_GEMV_ROWS", "0", TRUE);
+  g_setenv ("MOE_CUDA_ROPE_STORE_ROWS", "0", TRUE);
+  moe_test_family_f32 (data, "cuda");
+  moe_test_family_bf16 (data, "cuda");
+  g_unsetenv ("MOE_CUDA_GEMV_ROWS");
+  g_unsetenv ("MOE_CUDA_ROPE_STORE_ROWS");
+}
+
 static void
 on_changed (MoeModel *model, const char *key, const char *old_name, const char *new_name, gpointer data)
 {
@@ -196,6 +212,11 @@ main (int argc, char *argv[])
     {
       g_autofree char *p = g_strdup_printf ("/cuda/model/split-attention/%s", moe_test_families[i]);
       g_test_add_data_func (p, moe_test_families[i], test_family_split_attention);
+    }
+  for (guint i = 0; i < G_N_ELEMENTS (moe_test_families); i++)
+    {
+      g_autofree char *p = g_strdup_printf ("/cuda/model/prefill-rows/%s", moe_test_families[i]);
+      g_test_add_data_func (p, moe_test_families[i], test_family_prefill_rows);
     }
   g_test_add_func ("/cuda/model/decode-switch", test_decode_switch);
   g_test_add_func ("/cuda/model/padded-batch", test_padded_batch);
