@@ -59,12 +59,21 @@ void moe_cuda_store_kv       (int dtype, int batch, int n_tokens, int kv_heads,
 /* For rows [B, T] of [q heads | k heads | v heads] (@head_dim each, rows
  * @row_stride apart): moe_cuda_rope on the q and k heads (not interleaved),
  * then moe_cuda_store_kv of k and v, in one kernel — for a few rows (a
- * decode step): a prefill's rows are faster through the two (measured:
- * 2048-token prefill 6% slower this way). */
+ * decode step). A prefill's rows: moe_cuda_rope_store_kv_rows (a block per
+ * (row, head) recomputes each row's cos and sin per head: a 2048-token
+ * prefill was 6% slower this way than through the two). */
 void moe_cuda_rope_store_kv  (int dtype, void *qkv, int batch, int n_tokens, int row_stride, int heads,
                               int kv_heads, int head_dim, const int64_t *positions, const float *inv_freq,
                               int rope_dim, float scale, void *k_cache, void *v_cache, int capacity, int past,
                               const int *past_dev, cudaStream_t stream);
+
+/* The same cache and q, for many rows (a prefill): each row's cos and sin
+ * computed once for all its heads. k's heads in @qkv are left as they were
+ * (not rotated): attention reads keys from the cache. */
+void moe_cuda_rope_store_kv_rows (int dtype, void *qkv, int batch, int n_tokens, int row_stride, int heads,
+                                  int kv_heads, int head_dim, const int64_t *positions, const float *inv_freq,
+                                  int rope_dim, float scale, void *k_cache, void *v_cache, int capacity,
+                                  int past, const int *past_dev, cudaStream_t stream);
 
 typedef struct {
   int dtype;

@@ -43,7 +43,7 @@ typedef struct {
   DevLayer             *layer;
   int                   gemv_rows;   /* projections of this many rows or fewer run as GEMVs */
   int                   prefill_attention_tokens;   /* steps of this many tokens or more: flash kernel or GEMMs */
-  int                   rope_store_rows;  /* steps of this many rows or fewer: RoPE and the KV write as one kernel */
+  int                   rope_store_rows;  /* steps of this many rows or fewer: RoPE + KV write a block per (row, head) */
   int                   attention_split;  /* decode over more keys: blocks of this many (MOE_CUDA_ATTENTION_SPLIT; 0: one) */
   gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
   gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
@@ -845,6 +845,11 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
                             DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale,
                             DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
                             OPT (s->past_dev), stream);
+  else if (!m->rope_interleaved)
+    moe_cuda_rope_store_kv_rows (d->dtype, DATA (qkv), s->st->batch, s->st->n_tokens, n, m->heads, m->kv_heads,
+                                 hd, DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale,
+                                 DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
+                                 OPT (s->past_dev), stream);
   else
     {
       /* q's heads and k's follow each other in the row: one rotation */
