@@ -1086,27 +1086,16 @@ zip_vec (T *a, const T *b, int n, F fn)
     }
 }
 
+/* the sigmoid gate rounded as torch's sigmoid of a model-dtype tensor */
 template <typename T, int V>
 __global__ void
-act_mul_kernel (T *gu, int width, int row_stride, int act)
+act_mul_kernel (T *gu, int width, int row_stride, int act, const T *gate)
 {
   pdl_begin ();
   T *g = gu + blockIdx.x * (size_t) row_stride;
+  const float s = gate != nullptr ? rnd<T> (1.0f / (1.0f + expf (-to_f (gate[blockIdx.x])))) : 1.0f;
   zip_vec<T, V> (g, g + width, width,
-                 [act] (T gv, T uv) { return from_f<T> (rnd<T> (activate (act, to_f (gv))) * to_f (uv)); });
-}
-
-template <typename T, int V>
-__global__ void
-add_gated_kernel (T *y, const T *s, const T *gate, int width)
-{
-  pdl_begin ();
-  const float g = gate != nullptr ? rnd<T> (1.0f / (1.0f + expf (-to_f (gate[blockIdx.x])))) : 1.0f;
-  const bool gated = gate != nullptr;
-  zip_vec<T, V> (y + blockIdx.x * (size_t) width, s + blockIdx.x * (size_t) width, width, [g, gated] (T yv, T sv) {
-    float v = gated ? rnd<T> (g * to_f (sv)) : to_f (sv);
-    return from_f<T> (to_f (yv) + v);
-  });
+                 [act, s] (T gv, T uv) { return from_f<T> (rnd<T> (activate (act, to_f (gv))) * to_f (uv) * s); });
 }
 
 /* every row of y = bias: what the projection's GEMM then adds its products
@@ -1401,17 +1390,11 @@ moe_cuda_gemv (const MoeCudaGemv *a, cudaStream_t s)
 }
 
 extern "C" void
-moe_cuda_act_mul (int dtype, void *gu, int rows, int width, int row_stride, int activation, cudaStream_t s)
+moe_cuda_act_mul (int dtype, void *gu, int rows, int width, int row_stride, int activation, const void *gate,
+                  cudaStream_t s)
 {
   DISPATCH (dtype, LAUNCH_VEC (fits_vec<T> ({ width, row_stride }, { gu }), act_mul_kernel,
-                               rows, 256, s, (T *) gu, width, row_stride, activation));
-}
-
-extern "C" void
-moe_cuda_add_gated (int dtype, void *y, const void *sh, const void *gate, int rows, int width, cudaStream_t s)
-{
-  DISPATCH (dtype, LAUNCH_VEC (fits_vec<T> ({ width }, { y, sh }), add_gated_kernel, rows, 256, s,
-                               (T *) y, (const T *) sh, (const T *) gate, width));
+                               rows, 256, s, (T *) gu, width, row_stride, activation, (const T *) gate));
 }
 
 extern "C" void

@@ -176,14 +176,12 @@ typedef struct {
 void moe_cuda_route          (const MoeCudaRouter *r, cudaStream_t stream);
 
 /* A gated MLP's middle, in place: rows of [g | u] (@width each, rows
- * @row_stride apart) become g = act(g) · u, each op rounded. */
+ * @row_stride apart) become g = act(g) · u, each op rounded; with @gate
+ * ([rows], Qwen2-MoE's shared expert gate) g = act(g) · u · sigmoid(gate[r])
+ * before the rounding, so that its down GEMM adds the gated shared expert
+ * to the routed experts' output. */
 void moe_cuda_act_mul        (int dtype, void *gu, int rows, int width, int row_stride, int activation,
-                              cudaStream_t stream);
-
-/* y = y + sigmoid(gate[r]) · s over rows of @width (Qwen2-MoE's gated
- * shared expert); @gate NULL: y = y + s */
-void moe_cuda_add_gated      (int dtype, void *y, const void *s, const void *gate, int rows, int width,
-                              cudaStream_t stream);
+                              const void *gate, cudaStream_t stream);
 
 /* every one of @rows rows of y (@width wide) = bias: a projection's GEMM
  * with beta = 1 then adds its products in float32 before its one rounding */
