@@ -311,6 +311,75 @@ rope_store_kv_kernel (T *qkv, int row_stride, int heads, int kv_heads, int head_
       }
 }
 
+/* The same for a prefill's rows (the same values again): a block per row.
+ * The row's cos and sin go to shared memory once, one thread per pair (a
+ * block per head recomputed them for every head, and the sincos was most
+ * of its time); then V elements a thread at a time, a head's pairs across
+ * neighbouring threads: v and the non-rotated dims of k copied into the
+ * cache, q's and k's pairs rotated — q back in place, k only into the
+ * cache: the attention kernels (attention_kernel, flash, attend_gemm's
+ * pointers) read keys from the cache, never from the projected row. */
+template <typename T, int V>
+__global__ void
+rope_store_kv_rows_kernel (T *__restrict__ qkv, int row_stride, int heads, int kv_heads, int head_dim,
+                           int n_tokens, const int64_t *positions, const float *inv_freq, int rope_dim,
+                           float scale, T *__restrict__ k_cache, T *__restrict__ v_cache, int capacity, int past,
+                           const int *past_dev)
+{
+  extern __shared__ float cs[];   /* [half] cos, then [half] sin */
+  pdl_begin ();
+  const int row = blockIdx.x, half = rope_dim / 2, b = row / n_tokens, t = row % n_tokens;
+  T *x = qkv + (size_t) row * row_stride;
+  float *sn = cs + half;
+
+  if (past_dev != nullptr)
+    past = *past_dev;
+  const size_t slot0 = (size_t) b * kv_heads * capacity + past + t;   /* kv head h's: + h · capacity */
+
+  for (int i = threadIdx.x; i < half; i += blockDim.x)
+    rope_cos_sin<T> (inv_freq, i, (float) positions[row], scale, &cs[i], &sn[i]);
+
+  /* the copies need no cos or sin: before the barrier */
+  const int pk = (head_dim - rope_dim) / V, per_kv = pk + head_dim / V;
+  for (int j = threadIdx.x; j < kv_heads * per_kv; j += blockDim.x)
+    {
+      const int h = j / per_kv, c = j % per_kv;
+      const size_t slot = slot0 + (size_t) h * capacity;
+      const T *src;
+      T *dst, e[V];
+      if (c < pk)
+        src = x + (size_t) (heads + h) * head_dim + rope_dim + c * V,
+        dst = k_cache + slot * head_dim + rope_dim + c * V;
+      else
+        src = x + (size_t) (heads + kv_heads + h) * head_dim + (c - pk) * V,
+        dst = v_cache + slot * head_dim + (c - pk) * V;
+      load_vec<T, V> (e, src);
+      store_vec<T, V> (dst, e);
+    }
+  __syncthreads ();
+
+  const int pp = half / V;
+  for (int j = threadIdx.x; j < (heads + kv_heads) * pp; j += blockDim.x)
+    {
+      const int h = j / pp, i = (j % pp) * V;
+      T *src = x + (size_t) h * head_dim + i, a[V], z[V], y1[V], y2[V];
+      load_vec<T, V> (a, src);
+      load_vec<T, V> (z, src + half);
+#pragma unroll
+      for (int u = 0; u < V; u++)
+        {
+          /* rope_kernel's expressions, for its roundings and ptxas's
+           * fused multiply-adds (test-cuda-rope checks they match) */
+          const float x1 = to_f (a[u]), x2 = to_f (z[u]), c = cs[i + u], s = sn[i + u];
+          y1[u] = from_f<T> (x1 * c - x2 * s);
+          y2[u] = from_f<T> (x2 * c + x1 * s);
+        }
+      T *dst = h < heads ? src : k_cache + (slot0 + (size_t) (h - heads) * capacity) * head_dim + i;
+      store_vec<T, V> (dst, y1);
+      store_vec<T, V> (dst + half, y2);
+    }
+}
+
 /* DeepSeek's interleaved RoPE reads pairs (x0, x1), (x2, x3)… and writes the
  * halves [x0·c − x1·s, x2·c − x3·s, …, x1·c + x0·s, …]: one thread per head,
  * through a per-thread copy (rope_dim ≤ 256). */
@@ -1017,27 +1086,16 @@ zip_vec (T *a, const T *b, int n, F fn)
     }
 }
 
+/* the sigmoid gate rounded as torch's sigmoid of a model-dtype tensor */
 template <typename T, int V>
 __global__ void
-act_mul_kernel (T *gu, int width, int row_stride, int act)
+act_mul_kernel (T *gu, int width, int row_stride, int act, const T *gate)
 {
   pdl_begin ();
   T *g = gu + blockIdx.x * (size_t) row_stride;
+  const float s = gate != nullptr ? rnd<T> (1.0f / (1.0f + expf (-to_f (gate[blockIdx.x])))) : 1.0f;
   zip_vec<T, V> (g, g + width, width,
-                 [act] (T gv, T uv) { return from_f<T> (rnd<T> (activate (act, to_f (gv))) * to_f (uv)); });
-}
-
-template <typename T, int V>
-__global__ void
-add_gated_kernel (T *y, const T *s, const T *gate, int width)
-{
-  pdl_begin ();
-  const float g = gate != nullptr ? rnd<T> (1.0f / (1.0f + expf (-to_f (gate[blockIdx.x])))) : 1.0f;
-  const bool gated = gate != nullptr;
-  zip_vec<T, V> (y + blockIdx.x * (size_t) width, s + blockIdx.x * (size_t) width, width, [g, gated] (T yv, T sv) {
-    float v = gated ? rnd<T> (g * to_f (sv)) : to_f (sv);
-    return from_f<T> (to_f (yv) + v);
-  });
+                 [act, s] (T gv, T uv) { return from_f<T> (rnd<T> (activate (act, to_f (gv))) * to_f (uv) * s); });
 }
 
 /* every row of y = bias: what the projection's GEMM then adds its products
@@ -1171,6 +1229,24 @@ moe_cuda_rope_store_kv (int dtype, void *qkv, int batch, int n_tokens, int row_s
                                       (T *) qkv, row_stride, heads, kv_heads, head_dim, n_tokens, positions,
                                       inv_freq, rope_dim, scale, (T *) k_cache, (T *) v_cache, capacity, past,
                                       past_dev));
+}
+
+extern "C" void
+moe_cuda_rope_store_kv_rows (int dtype, void *qkv, int batch, int n_tokens, int row_stride, int heads,
+                             int kv_heads, int head_dim, const int64_t *positions, const float *inv_freq,
+                             int rope_dim, float scale, void *k_cache, void *v_cache, int capacity, int past,
+                             const int *past_dev, cudaStream_t s)
+{
+  const size_t smem = (size_t) (rope_dim / 2) * 2 * sizeof (float);
+  DISPATCH (dtype,
+            if (fits_vec<T> ({ row_stride, head_dim, rope_dim / 2 }, { qkv, k_cache, v_cache }))
+              launch_overlapped (rope_store_kv_rows_kernel<T, 16 / sizeof (T)>, batch * n_tokens, 256, smem, s,
+                                 (T *) qkv, row_stride, heads, kv_heads, head_dim, n_tokens, positions, inv_freq,
+                                 rope_dim, scale, (T *) k_cache, (T *) v_cache, capacity, past, past_dev);
+            else
+              launch_overlapped (rope_store_kv_rows_kernel<T, 1>, batch * n_tokens, 256, smem, s,
+                                 (T *) qkv, row_stride, heads, kv_heads, head_dim, n_tokens, positions, inv_freq,
+                                 rope_dim, scale, (T *) k_cache, (T *) v_cache, capacity, past, past_dev));
 }
 
 extern "C" void
@@ -1314,17 +1390,11 @@ moe_cuda_gemv (const MoeCudaGemv *a, cudaStream_t s)
 }
 
 extern "C" void
-moe_cuda_act_mul (int dtype, void *gu, int rows, int width, int row_stride, int activation, cudaStream_t s)
+moe_cuda_act_mul (int dtype, void *gu, int rows, int width, int row_stride, int activation, const void *gate,
+                  cudaStream_t s)
 {
   DISPATCH (dtype, LAUNCH_VEC (fits_vec<T> ({ width, row_stride }, { gu }), act_mul_kernel,
-                               rows, 256, s, (T *) gu, width, row_stride, activation));
-}
-
-extern "C" void
-moe_cuda_add_gated (int dtype, void *y, const void *sh, const void *gate, int rows, int width, cudaStream_t s)
-{
-  DISPATCH (dtype, LAUNCH_VEC (fits_vec<T> ({ width }, { y, sh }), add_gated_kernel, rows, 256, s,
-                               (T *) y, (const T *) sh, (const T *) gate, width));
+                               rows, 256, s, (T *) gu, width, row_stride, activation, (const T *) gate));
 }
 
 extern "C" void

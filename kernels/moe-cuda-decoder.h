@@ -59,12 +59,21 @@ void moe_cuda_store_kv       (int dtype, int batch, int n_tokens, int kv_heads,
 /* For rows [B, T] of [q heads | k heads | v heads] (@head_dim each, rows
  * @row_stride apart): moe_cuda_rope on the q and k heads (not interleaved),
  * then moe_cuda_store_kv of k and v, in one kernel — for a few rows (a
- * decode step): a prefill's rows are faster through the two (measured:
- * 2048-token prefill 6% slower this way). */
+ * decode step). A prefill's rows: moe_cuda_rope_store_kv_rows (a block per
+ * (row, head) recomputes each row's cos and sin per head: a 2048-token
+ * prefill was 6% slower this way than through the two). */
 void moe_cuda_rope_store_kv  (int dtype, void *qkv, int batch, int n_tokens, int row_stride, int heads,
                               int kv_heads, int head_dim, const int64_t *positions, const float *inv_freq,
                               int rope_dim, float scale, void *k_cache, void *v_cache, int capacity, int past,
                               const int *past_dev, cudaStream_t stream);
+
+/* The same cache and q, for many rows (a prefill): each row's cos and sin
+ * computed once for all its heads. k's heads in @qkv are left as they were
+ * (not rotated): attention reads keys from the cache. */
+void moe_cuda_rope_store_kv_rows (int dtype, void *qkv, int batch, int n_tokens, int row_stride, int heads,
+                                  int kv_heads, int head_dim, const int64_t *positions, const float *inv_freq,
+                                  int rope_dim, float scale, void *k_cache, void *v_cache, int capacity,
+                                  int past, const int *past_dev, cudaStream_t stream);
 
 typedef struct {
   int dtype;
@@ -167,14 +176,12 @@ typedef struct {
 void moe_cuda_route          (const MoeCudaRouter *r, cudaStream_t stream);
 
 /* A gated MLP's middle, in place: rows of [g | u] (@width each, rows
- * @row_stride apart) become g = act(g) · u, each op rounded. */
+ * @row_stride apart) become g = act(g) · u, each op rounded; with @gate
+ * ([rows], Qwen2-MoE's shared expert gate) g = act(g) · u · sigmoid(gate[r])
+ * before the rounding, so that its down GEMM adds the gated shared expert
+ * to the routed experts' output. */
 void moe_cuda_act_mul        (int dtype, void *gu, int rows, int width, int row_stride, int activation,
-                              cudaStream_t stream);
-
-/* y = y + sigmoid(gate[r]) · s over rows of @width (Qwen2-MoE's gated
- * shared expert); @gate NULL: y = y + s */
-void moe_cuda_add_gated      (int dtype, void *y, const void *s, const void *gate, int rows, int width,
-                              cudaStream_t stream);
+                              const void *gate, cudaStream_t stream);
 
 /* every one of @rows rows of y (@width wide) = bias: a projection's GEMM
  * with beta = 1 then adds its products in float32 before its one rounding */

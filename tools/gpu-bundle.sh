@@ -74,7 +74,8 @@ cp -L "$build/libmoe/libmoe-1.so.0" "$stage/lib/"
 for p in eager batched_mm grouped_mm deepgemm sonicmoe deepgemm_megamoe cuda; do
   cp "$build/plugins/$p/libmoe-$p.so" "$build/plugins/$p/$p.plugin" "$stage/plugins/"
 done
-cp "$build/tests/gpu/test-cuda-experts" "$build/tests/gpu/test-cuda-model" "$build/tests/gpu/test-cuda-attention" "$build/tests/c/test-experts" \
+cp "$build/tests/gpu/test-cuda-experts" "$build/tests/gpu/test-cuda-model" "$build/tests/gpu/test-cuda-attention" \
+   "$build/tests/gpu/test-cuda-rope" "$build/tests/c/test-experts" \
    "$build/tools/moe-bench-cuda-experts" "$build/tools/moe-bench-attention" "$build/tools/moe-bench-model" "$build/cli/moe" "$stage/bin/"
 
 for f in "$stage"/lib/* "$stage"/plugins/*.so "$stage"/bin/*; do ldd "$f"; done |

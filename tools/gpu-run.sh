@@ -42,7 +42,8 @@
 #                                   through the layer (T / median call time)
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts,
-#                                   test-cuda-model or test-cuda-attention) under compute-sanitizer
+#                                   test-cuda-model, test-cuda-attention or
+#                                   test-cuda-rope) under compute-sanitizer
 #                                   --tool TOOL (memcheck, racecheck, …)
 #
 # The machine has CUDA and cuBLAS but no GLib: the bundle carries GLib.
@@ -94,7 +95,9 @@ case "$what" in
     prefix=
     [ "$side" = this ] || { prefix=$side-; echo "the cuda plugin of candidate $side ($(commit_of "$side"))"; }
     passed=0 failed=0 skipped=0
-    for t in test-cuda-experts test-cuda-model test-cuda-attention test-experts; do
+    for t in test-cuda-experts test-cuda-model test-cuda-attention test-cuda-rope test-experts; do
+      # (a bundle of a tree before the test has none)
+      [ -x "$root/bin/$t" ] || { echo "$t: not in this bundle"; continue; }
       "$root/bin/$t" --tap > "/tmp/$t.log" 2>&1
       rc=$?
       grep -E '^(not )?ok ' "/tmp/$t.log" | grep -v '^ok ' || true

@@ -42,8 +42,9 @@ typedef struct {
   MoeTensor            *embed, *lm_head, *final_norm, *inv_freq;
   DevLayer             *layer;
   int                   gemv_rows;   /* projections of this many rows or fewer run as GEMVs */
+  gboolean              lt;          /* biased GEMMs on cuBLASLt (MOE_CUDA_CUBLASLT=0: never) */
   int                   prefill_attention_tokens;   /* steps of this many tokens or more: flash kernel or GEMMs */
-  int                   rope_store_rows;  /* steps of this many rows or fewer: RoPE and the KV write as one kernel */
+  int                   rope_store_rows;  /* steps of this many rows or fewer: RoPE + KV write a block per (row, head) */
   int                   attention_split;  /* decode over more keys: blocks of this many (MOE_CUDA_ATTENTION_SPLIT; 0: one) */
   gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
   gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
@@ -241,6 +242,9 @@ moe_cuda_decoder_new (MoeDevice      *device,
                                                              : 16;
   d->attention_split = g_getenv ("MOE_CUDA_ATTENTION_SPLIT") ? MAX (atoi (g_getenv ("MOE_CUDA_ATTENTION_SPLIT")), 0)
                                                              : 128;
+  /* MOE_CUDA_CUBLASLT=0: the biased projections' GEMMs on cublasGemmEx
+   * after a bias kernel (the path where cuBLASLt has no algorithm) */
+  d->lt = g_strcmp0 (g_getenv ("MOE_CUDA_CUBLASLT"), "0") != 0 && moe_cuda_device_prepare_lt (d->dev);
   d->trace = g_getenv ("MOE_CUDA_TRACE") != NULL;
   d->graphs = g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 && !d->trace;
   if (m->has_shared && g_strcmp0 (g_getenv ("MOE_CUDA_SIDE_STREAM"), "0") != 0 &&
@@ -433,19 +437,60 @@ cuda_type (int dtype)
   return dtype == MOE_CUDA_BF16 ? CUDA_R_16BF : dtype == MOE_CUDA_F16 ? CUDA_R_16F : CUDA_R_32F;
 }
 
-/* y [rows, out] = x [rows, in] (rows @ldx elements apart) · Wᵀ (+ bias),
- * as torch's linear: float32 accumulation, the bias added before the one
- * rounding to the model dtype (y starts as the bias and the GEMM adds to
- * it, beta = 1); @f32: y stays float32, unrounded, and there is no bias
- * (the router's). A few rows (decode) run as GEMVs on @stream, more on
- * cuBLAS on the device's stream (which @stream must then be). */
+/* y [rows, out] = x [rows, in] (rows @ldx elements apart) · Wᵀ (+ bias) on
+ * the device's stream, as torch's linear: float32 accumulation, the bias
+ * added before the one rounding to the model dtype, in cuBLASLt's epilogue
+ * (torch's addmm on CUDA), or where that has no algorithm, y starts as the
+ * bias and cublasGemmEx adds to it (beta = 1). @accumulate (no bias): y +=
+ * x · Wᵀ, also one rounding. @f32: y is float32, unrounded. */
+static gboolean
+gemm (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32, MoeTensor *y,
+      gboolean accumulate, GError **error)
+{
+  const float one = 1.0f, zero = 0.0f;
+  cudaDataType_t out_type = f32 ? CUDA_R_32F : cuda_type (d->dtype);
+  cublasStatus_t st;
+
+  /* bias_rows would overwrite what y holds */
+  g_assert (!accumulate || lin->bias == NULL);
+  if (lin->bias != NULL && d->lt)
+    {
+      MoeCudaBiasedGemm g = {
+        .type = cuda_type (d->dtype), .out_type = out_type, .out = lin->out, .rows = rows, .in = lin->in,
+        .ldx = ldx, .w = DATA (lin->weight), .x = DATA (x), .bias = DATA (lin->bias), .y = DATA (y),
+      };
+      gboolean ran;
+      if (!moe_cuda_device_biased_gemm (d->dev, &g, &ran, error))
+        return FALSE;
+      if (ran)
+        return TRUE;
+    }
+  if (lin->bias != NULL)
+    moe_cuda_bias_rows (d->dtype, DATA (lin->bias), rows, lin->out, DATA (y), d->dev->stream);
+  g_mutex_lock (&d->dev->lock);
+  st = cublasGemmEx (d->dev->cublas, CUBLAS_OP_T, CUBLAS_OP_N, lin->out, rows, lin->in, &one,
+                     DATA (lin->weight), cuda_type (d->dtype), lin->in,
+                     DATA (x), cuda_type (d->dtype), ldx, lin->bias != NULL || accumulate ? &one : &zero,
+                     DATA (y), out_type, lin->out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  g_mutex_unlock (&d->dev->lock);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_FAILED, "cuBLAS: a %d×%d×%d projection failed (status %d)",
+                   rows, lin->out, lin->in, (int) st);
+      return FALSE;
+    }
+  return TRUE;
+}
+
+/* y [rows, out] = x · Wᵀ (+ bias), as gemm(); @f32: y stays float32,
+ * unrounded, and there is no bias (the router's). A few rows (decode) run
+ * as GEMVs on @stream, more on cuBLAS on the device's stream (which
+ * @stream must then be). */
 static MoeTensor *
 project_on (Decoder *d, cudaStream_t stream, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32,
             GError **error)
 {
   g_autoptr(MoeTensor) y = f32 ? new_f32 (d, rows, lin->out, error) : new_act (d, rows, lin->out, error);
-  const float one = 1.0f, zero = 0.0f;
-  cublasStatus_t st;
 
   g_assert (!f32 || lin->bias == NULL);
   if (y == NULL)
@@ -460,22 +505,7 @@ project_on (Decoder *d, cudaStream_t stream, const DevLinear *lin, MoeTensor *x,
       return g_steal_pointer (&y);
     }
   g_assert (stream == d->dev->stream);
-  if (lin->bias != NULL)
-    moe_cuda_bias_rows (d->dtype, DATA (lin->bias), rows, lin->out, DATA (y), d->dev->stream);
-  g_mutex_lock (&d->dev->lock);
-  st = cublasGemmEx (d->dev->cublas, CUBLAS_OP_T, CUBLAS_OP_N, lin->out, rows, lin->in, &one,
-                     DATA (lin->weight), cuda_type (d->dtype), lin->in,
-                     DATA (x), cuda_type (d->dtype), ldx, lin->bias != NULL ? &one : &zero,
-                     DATA (y), f32 ? CUDA_R_32F : cuda_type (d->dtype), lin->out,
-                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  g_mutex_unlock (&d->dev->lock);
-  if (st != CUBLAS_STATUS_SUCCESS)
-    {
-      g_set_error (error, MOE_ERROR, MOE_ERROR_FAILED, "cuBLAS: a %d×%d×%d projection failed (status %d)",
-                   rows, lin->out, lin->in, (int) st);
-      return NULL;
-    }
-  return g_steal_pointer (&y);
+  return gemm (d, lin, x, ldx, rows, f32, y, FALSE, error) ? g_steal_pointer (&y) : NULL;
 }
 
 static MoeTensor *
@@ -845,6 +875,11 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
                             DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale,
                             DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
                             OPT (s->past_dev), stream);
+  else if (!m->rope_interleaved)
+    moe_cuda_rope_store_kv_rows (d->dtype, DATA (qkv), s->st->batch, s->st->n_tokens, n, m->heads, m->kv_heads,
+                                 hd, DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale,
+                                 DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
+                                 OPT (s->past_dev), stream);
   else
     {
       /* q's heads and k's follow each other in the row: one rotation */
@@ -938,8 +973,8 @@ gemv_down (Decoder *d, const DevLayer *L, MoeTensor *h, int rows, MoeTensor *int
 }
 
 /* act(gate(x)) · up(x), then down: a dense MLP, or the shared expert added
- * to @into (as gemv_down). A few rows: the two GEMVs; more: cuBLAS and two
- * small kernels. */
+ * to @into (as gemv_down). A few rows: the two GEMVs; more: cuBLAS and the
+ * activation kernel between them. */
 static MoeTensor *
 mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, MoeTensor *gate, GError **error)
 {
@@ -953,16 +988,30 @@ mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, Moe
     }
   {
     g_autoptr(MoeTensor) gu = linear (d, &L->gate_up, x, H, rows, error);
-    g_autoptr(MoeTensor) y = NULL;
+    const gint64 shape[2] = { rows, H };
 
+    g_assert (into != NULL || gate == NULL);
     if (gu == NULL)
       return NULL;
-    moe_cuda_act_mul (d->dtype, DATA (gu), rows, inter, 2 * inter, d->m->act_fn, stream);
-    y = linear (d, &L->down, gu, 2 * inter, rows, error);
-    if (y == NULL || into == NULL)
-      return g_steal_pointer (&y);
-    moe_cuda_add_gated (d->dtype, DATA (into), DATA (y), OPT (gate), rows, H, stream);
-    return g_object_ref (into);
+    /* the shared expert's sigmoid gate multiplies h = act(g) · u before
+     * its rounding, and its down GEMM adds to @into (beta = 1):
+     * down(sigmoid(s) · h) = sigmoid(s) · down(h), with one rounding where
+     * transformers has three (down's, the gate's product, the sum), which
+     * moves the sum by about an ulp of the model dtype */
+    moe_cuda_act_mul (d->dtype, DATA (gu), rows, inter, 2 * inter, d->m->act_fn, OPT (gate), stream);
+    if (into == NULL)
+      return linear (d, &L->down, gu, 2 * inter, rows, error);
+    /* in place: @into is [rows, H], rows H apart (a tensor of its own),
+     * and a shared expert has no biases (moe-transformer.c) */
+    if (!moe_tensor_has_shape (into, shape, 2) || moe_tensor_get_dtype (into) != d->m->dtype ||
+        L->down.bias != NULL)
+      {
+        g_set_error (error, MOE_ERROR, MOE_ERROR_FAILED,
+                     "On cuda the shared expert adds to the routed experts' output: it must be [%d, %d] "
+                     "in the model dtype, and the shared expert without biases", rows, H);
+        return NULL;
+      }
+    return gemm (d, &L->down, gu, 2 * inter, rows, FALSE, into, TRUE, error) ? g_object_ref (into) : NULL;
   }
 }
 

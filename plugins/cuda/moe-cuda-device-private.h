@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
+#include <cublasLt.h>
 
 #include <moe-plugin.h>
 
@@ -22,6 +23,14 @@ struct _MoeCudaDevice
   cudaStream_t    stream;
   cublasHandle_t  cublas;
   char           *init_error;    /* why the stream or cuBLAS could not be made */
+
+  /* cuBLASLt, for projections with a bias in the GEMM's epilogue: made by
+   * the first decoder (NULL: not yet, or it could not be; the decoder then
+   * adds the bias as before), with its workspace and the plans made so far,
+   * all under @lock */
+  cublasLtHandle_t lt;
+  void           *lt_workspace;
+  GHashTable     *lt_plans;      /* LtKey -> LtPlan */
 
   /* the experts kernels check the ids on the device and report the first
    * bad one here (mapped host memory), read at the next synchronization */
@@ -59,6 +68,23 @@ void     moe_cuda_device_open_graph_pool    (MoeCudaDevice *self);
 GSList  *moe_cuda_device_close_graph_pool   (MoeCudaDevice *self);
 void     moe_cuda_device_release_graph_pool (MoeCudaDevice *self,
                                              GSList        *pool);
+
+/* y [rows, out] = x [rows, in] (rows @ldx elements apart) · wᵀ + bias on
+ * cuBLASLt, the bias added in its epilogue in float32 before the one
+ * rounding (as torch's linear on CUDA), on the device's stream */
+typedef struct {
+  cudaDataType_t type;          /* of w, x and bias */
+  cudaDataType_t out_type;      /* of y */
+  int            out, rows, in, ldx;
+  const void    *w, *x, *bias;  /* w [out, in], bias [out] */
+  void          *y;
+} MoeCudaBiasedGemm;
+
+gboolean moe_cuda_device_prepare_lt  (MoeCudaDevice *self);
+gboolean moe_cuda_device_biased_gemm (MoeCudaDevice           *self,
+                                      const MoeCudaBiasedGemm *g,
+                                      gboolean                *ran,
+                                      GError                 **error);
 
 /* moe-cuda-decoder.c: MoeDeviceClass's decoder vfuncs */
 gpointer moe_cuda_decoder_new        (MoeDevice     *device,

@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
+#include <cublasLt.h>
 
 #include <moe-plugin.h>
 #include <moe-cpu-kernels.h>
@@ -187,6 +188,202 @@ moe_cuda_device_release_graph_pool (MoeCudaDevice *self,
     }
   g_mutex_unlock (&self->lock);
   g_slist_free (pool);
+}
+
+/* ------------------------------------------------------------------ */
+/* cuBLASLt: biased projections                                        */
+
+/* what a plan depends on: its shape, dtypes and the pointers' alignment
+ * (the heuristic assumes it) */
+typedef struct {
+  int type, out_type, out, rows, in, ldx, align;
+} LtKey;
+
+/* a matmul descriptor and layouts for one key, and the heuristic's algorithm
+ * for them (none: the caller takes cublasGemmEx) */
+typedef struct {
+  LtKey                  key;
+  cublasLtMatmulDesc_t   desc;
+  cublasLtMatrixLayout_t a, b, c;
+  cublasLtMatmulAlgo_t   algo;
+  gboolean               have_algo;
+} LtPlan;
+
+#define LT_WORKSPACE (32u << 20)
+/* a prefill of each new length adds a plan per biased shape: start over
+ * past this many */
+#define LT_MAX_PLANS 512
+
+static guint
+lt_key_hash (gconstpointer p)
+{
+  const int *k = p;
+  guint h = 5381;
+
+  for (guint i = 0; i < sizeof (LtKey) / sizeof (int); i++)
+    h = h * 33 + (guint) k[i];
+  return h;
+}
+
+static gboolean
+lt_key_equal (gconstpointer a, gconstpointer b)
+{
+  return memcmp (a, b, sizeof (LtKey)) == 0;
+}
+
+static void
+lt_plan_free (gpointer data)
+{
+  LtPlan *p = data;
+
+  if (p->desc != NULL)
+    cublasLtMatmulDescDestroy (p->desc);
+  if (p->a != NULL)
+    cublasLtMatrixLayoutDestroy (p->a);
+  if (p->b != NULL)
+    cublasLtMatrixLayoutDestroy (p->b);
+  if (p->c != NULL)
+    cublasLtMatrixLayoutDestroy (p->c);
+  g_free (p);
+}
+
+/* The handle and its workspace, once (a decoder's load, outside any
+ * graph capture); FALSE where they cannot be made: the decoder's
+ * projections then add their biases as before. */
+gboolean
+moe_cuda_device_prepare_lt (MoeCudaDevice *self)
+{
+  gboolean ok;
+
+  if (self->init_error != NULL)
+    return FALSE;
+  g_mutex_lock (&self->lock);
+  if (self->lt == NULL && self->lt_plans == NULL)
+    {
+      cublasLtHandle_t lt = NULL;
+      cublasStatus_t st = cublasLtCreate (&lt);
+      cudaError_t err = st == CUBLAS_STATUS_SUCCESS ? cudaMalloc (&self->lt_workspace, LT_WORKSPACE) : cudaSuccess;
+      if (st == CUBLAS_STATUS_SUCCESS && err == cudaSuccess)
+        self->lt = lt;
+      else
+        {
+          g_debug ("moe-cuda: no cuBLASLt (status %d, %s); biases added by a kernel", (int) st,
+                   cudaGetErrorString (err));
+          cudaGetLastError ();
+          self->lt_workspace = NULL;
+          if (lt != NULL)
+            cublasLtDestroy (lt);
+        }
+      /* also marks the attempt made */
+      self->lt_plans = g_hash_table_new_full (lt_key_hash, lt_key_equal, NULL, lt_plan_free);
+    }
+  ok = self->lt != NULL;
+  g_mutex_unlock (&self->lock);
+  return ok;
+}
+
+/* Column-major, the operands of the decoder's cublasGemmEx call: yᵀ
+ * [out, rows] = Aᵀ · B, A = w seen as [in, out], B = x as [in, rows] (@ldx
+ * apart), C = D = yᵀ. */
+static LtPlan *
+lt_plan_new (MoeCudaDevice *self, const LtKey *key, const MoeCudaBiasedGemm *g)
+{
+  LtPlan *p = g_new0 (LtPlan, 1);
+  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+  const uint64_t workspace = LT_WORKSPACE;
+  const uint32_t align = (uint32_t) key->align;
+  const cublasLtMatmulPreferenceAttributes_t aligns[] = {
+    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+  };
+  cublasLtMatmulPreference_t pref = NULL;
+  cublasLtMatmulHeuristicResult_t result = { 0 };
+  int found = 0;
+  gboolean ok;
+
+#define OK(call) ((call) == CUBLAS_STATUS_SUCCESS)
+  p->key = *key;
+  /* float32 accumulation and scale (no TF32); the bias's dtype is left at
+   * its default, the output's: the model dtype, as the biases are */
+  ok = OK (cublasLtMatmulDescCreate (&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F)) &&
+       OK (cublasLtMatmulDescSetAttribute (p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof trans_a)) &&
+       OK (cublasLtMatmulDescSetAttribute (p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof trans_b)) &&
+       OK (cublasLtMatmulDescSetAttribute (p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue)) &&
+       /* the heuristic reads the bias pointer's alignment */
+       OK (cublasLtMatmulDescSetAttribute (p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g->bias, sizeof g->bias)) &&
+       OK (cublasLtMatrixLayoutCreate (&p->a, g->type, g->in, g->out, g->in)) &&
+       OK (cublasLtMatrixLayoutCreate (&p->b, g->type, g->in, g->rows, g->ldx)) &&
+       OK (cublasLtMatrixLayoutCreate (&p->c, g->out_type, g->out, g->rows, g->out)) &&
+       OK (cublasLtMatmulPreferenceCreate (&pref)) &&
+       OK (cublasLtMatmulPreferenceSetAttribute (pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                 &workspace, sizeof workspace));
+  for (guint i = 0; ok && i < G_N_ELEMENTS (aligns); i++)
+    ok = OK (cublasLtMatmulPreferenceSetAttribute (pref, aligns[i], &align, sizeof align));
+  ok = ok && OK (cublasLtMatmulAlgoGetHeuristic (self->lt, p->desc, p->a, p->b, p->c, p->c, pref, 1,
+                                                 &result, &found));
+#undef OK
+  if (pref != NULL)
+    cublasLtMatmulPreferenceDestroy (pref);
+  p->have_algo = ok && found > 0 && result.state == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= LT_WORKSPACE;
+  if (p->have_algo)
+    p->algo = result.algo;
+  else
+    g_debug ("moe-cuda: no cuBLASLt algorithm for a %d×%d×%d biased projection; bias by a kernel",
+             g->rows, g->out, g->in);
+  return p;
+}
+
+/* @g on cuBLASLt with the plan of its key (made on its first call: the
+ * heuristic is asked once a shape). *@ran FALSE, and no error, where
+ * there is no cuBLASLt or no algorithm for it; FALSE with @error where the
+ * matmul fails. */
+gboolean
+moe_cuda_device_biased_gemm (MoeCudaDevice           *self,
+                             const MoeCudaBiasedGemm *g,
+                             gboolean                *ran,
+                             GError                 **error)
+{
+  guintptr bits = (guintptr) g->w | (guintptr) g->x | (guintptr) g->bias | (guintptr) g->y;
+  LtKey key = {
+    .type = g->type, .out_type = g->out_type, .out = g->out, .rows = g->rows, .in = g->in, .ldx = g->ldx,
+    .align = (int) MIN (bits & -bits, 256),
+  };
+  const float one = 1.0f, zero = 0.0f;
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  LtPlan *p;
+
+  *ran = FALSE;
+  g_mutex_lock (&self->lock);
+  if (self->lt == NULL)
+    {
+      g_mutex_unlock (&self->lock);
+      return TRUE;
+    }
+  p = g_hash_table_lookup (self->lt_plans, &key);
+  if (p == NULL)
+    {
+      if (g_hash_table_size (self->lt_plans) >= LT_MAX_PLANS)
+        g_hash_table_remove_all (self->lt_plans);
+      p = lt_plan_new (self, &key, g);
+      g_hash_table_insert (self->lt_plans, &p->key, p);
+    }
+  if (p->have_algo)
+    {
+      st = cublasLtMatmulDescSetAttribute (p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g->bias, sizeof g->bias);
+      if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmul (self->lt, p->desc, &one, g->w, p->a, g->x, p->b, &zero, g->y, p->c, g->y, p->c,
+                             &p->algo, self->lt_workspace, LT_WORKSPACE, self->stream);
+      *ran = TRUE;
+    }
+  g_mutex_unlock (&self->lock);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    {
+      g_set_error (error, MOE_ERROR, MOE_ERROR_FAILED, "cuBLASLt: a %d×%d×%d biased projection failed (status %d)",
+                   g->rows, g->out, g->in, (int) st);
+      return FALSE;
+    }
+  return TRUE;
 }
 
 static gboolean
@@ -726,6 +923,12 @@ moe_cuda_device_finalize (GObject *object)
     {
       cudaStreamSynchronize (self->stream);
       release_cached_locked (self);
+      g_clear_pointer (&self->lt_plans, g_hash_table_unref);
+      if (self->lt != NULL)
+        {
+          cudaFree (self->lt_workspace);
+          cublasLtDestroy (self->lt);
+        }
       cublasDestroy (self->cublas);
       cudaStreamDestroy (self->stream);
       cudaFreeHost ((gpointer) self->bad_id);

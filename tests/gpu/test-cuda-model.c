@@ -58,9 +58,12 @@ test_family_split_attention (gconstpointer data)
 
 /* The prefill's row paths on the fixtures' 9-token prompts (at load:
  * MOE_CUDA_GEMV_ROWS=0, MOE_CUDA_ROPE_STORE_ROWS=0): every projection
- * through cuBLAS and its small kernels (bias, activation, gated add), RoPE
- * and the KV-cache write as a prefill runs them, for the prompt and the
- * decode steps alike. */
+ * through cuBLAS (biases in cuBLASLt's epilogue, the shared expert's down
+ * GEMM adding to the routed experts' output) and the activation kernel
+ * (with the shared expert's gate), RoPE and the KV-cache write as a
+ * prefill runs them, for the prompt and the decode steps alike; then bf16
+ * with the biases by a kernel before cublasGemmEx (MOE_CUDA_CUBLASLT=0:
+ * where cuBLASLt has no algorithm). */
 static void
 test_family_prefill_rows (gconstpointer data)
 {
@@ -68,6 +71,9 @@ test_family_prefill_rows (gconstpointer data)
   g_setenv ("MOE_CUDA_ROPE_STORE_ROWS", "0", TRUE);
   moe_test_family_f32 (data, "cuda");
   moe_test_family_bf16 (data, "cuda");
+  g_setenv ("MOE_CUDA_CUBLASLT", "0", TRUE);
+  moe_test_family_bf16 (data, "cuda");
+  g_unsetenv ("MOE_CUDA_CUBLASLT");
   g_unsetenv ("MOE_CUDA_GEMV_ROWS");
   g_unsetenv ("MOE_CUDA_ROPE_STORE_ROWS");
 }
