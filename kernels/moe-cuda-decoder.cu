@@ -145,67 +145,102 @@ embed_kernel (const T *table, const int64_t *ids, int width, T *out)
 /* A block per (row, group). The values stay in registers between the sum
  * of squares and the scaling, and every load of a pass is issued before
  * the first is used: at batch 1 a norm is one block, bound by load latency
- * rather than bandwidth. */
+ * rather than bandwidth. V values a load (16 bytes where the rows allow:
+ * a prefill's norms are bound by bandwidth, and 2-byte loads left it at
+ * half the memory's speed). */
 constexpr int NORM_PER_THREAD = 8;
 
-template <typename T>
+template <typename T, int V>
 __global__ void
 rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int in_stride, const float *w,
                  float eps, int weight_last, T *y, int out_stride)
 {
+  constexpr int NK = NORM_PER_THREAD / V;   /* pieces of V values a thread holds */
   pdl_release ();
   size_t r = blockIdx.x / groups, g = blockIdx.x % groups;
   T *xr = x + r * in_stride + g * group_stride;
   T *yr = y + r * out_stride + g * group_stride;
   const T *ar = h_add != nullptr ? h_add + r * in_stride + g * group_stride : nullptr;
-  float v[NORM_PER_THREAD], wv[NORM_PER_THREAD], ss = 0;
+  float v[NK][V], wv[NK][V], ss = 0;
+  T e[V];
+  auto at = [] (int k) { return (int) (threadIdx.x + k * blockDim.x) * V; };   /* piece k's first index */
+  /* h = x (+ h_add) at @i, rounded; written back with h_add */
+  auto load_sum = [&] (int i, float (&h)[V]) {
+    load_vec<T, V> (e, xr + i);
+#pragma unroll
+    for (int u = 0; u < V; u++)
+      h[u] = to_f (e[u]);
+    if (ar != nullptr)
+      {
+        load_vec<T, V> (e, ar + i);
+#pragma unroll
+        for (int u = 0; u < V; u++)
+          h[u] = rnd<T> (h[u] + to_f (e[u]));
+      }
+  };
+  auto store = [&] (T *dst, const float (&h)[V]) {
+#pragma unroll
+    for (int u = 0; u < V; u++)
+      e[u] = from_f<T> (h[u]);
+    store_vec<T, V> (dst, e);
+  };
 
   /* the weights' loads first: they never depend on the kernels before */
 #pragma unroll
-  for (int k = 0; k < NORM_PER_THREAD; k++)
-    {
-      int i = threadIdx.x + k * blockDim.x;
-      wv[k] = i < n ? w[i] : 0.0f;
-    }
+  for (int k = 0; k < NK; k++)
+#pragma unroll
+    for (int u = 0; u < V; u++)
+      wv[k][u] = at (k) < n ? w[at (k) + u] : 0.0f;
   pdl_wait ();
 #pragma unroll
-  for (int k = 0; k < NORM_PER_THREAD; k++)
-    {
-      int i = threadIdx.x + k * blockDim.x;
-      v[k] = i < n ? to_f (xr[i]) : 0.0f;
-      if (ar != nullptr && i < n)
-        v[k] = rnd<T> (v[k] + to_f (ar[i]));
-    }
+  for (int k = 0; k < NK; k++)
+    if (at (k) < n)
+      load_sum (at (k), v[k]);
+    else
 #pragma unroll
-  for (int k = 0; k < NORM_PER_THREAD; k++)
+      for (int u = 0; u < V; u++)
+        v[k][u] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < NK; k++)
     {
-      int i = threadIdx.x + k * blockDim.x;
-      if (ar != nullptr && i < n)
-        xr[i] = from_f<T> (v[k]);
-      ss += v[k] * v[k];
+      if (ar != nullptr && at (k) < n)
+        store (xr + at (k), v[k]);
+#pragma unroll
+      for (int u = 0; u < V; u++)
+        ss += v[k][u] * v[k][u];
     }
   /* rows wider than the registers hold (over 8192): the rest in a loop */
-  for (int i = threadIdx.x + NORM_PER_THREAD * blockDim.x; i < n; i += blockDim.x)
+  for (int i = at (NK); i < n; i += blockDim.x * V)
     {
-      float t = to_f (xr[i]);
+      float t[V];
+      load_sum (i, t);
       if (ar != nullptr)
-        {
-          t = rnd<T> (t + to_f (ar[i]));
-          xr[i] = from_f<T> (t);
-        }
-      ss += t * t;
+        store (xr + i, t);
+#pragma unroll
+      for (int u = 0; u < V; u++)
+        ss += t[u] * t[u];
     }
   float inv = 1.0f / sqrtf (block_reduce<false> (ss) / (float) n + eps);
-  auto scaled = [&] (float t, float wi) { return from_f<T> (weight_last ? t * inv * wi : rnd<T> (t * inv) * wi); };
+  auto scaled = [&] (float t, float wi) { return weight_last ? t * inv * wi : rnd<T> (t * inv) * wi; };
 #pragma unroll
-  for (int k = 0; k < NORM_PER_THREAD; k++)
+  for (int k = 0; k < NK; k++)
+    if (at (k) < n)
+      {
+        float o[V];
+#pragma unroll
+        for (int u = 0; u < V; u++)
+          o[u] = scaled (v[k][u], wv[k][u]);
+        store (yr + at (k), o);
+      }
+  for (int i = at (NK); i < n; i += blockDim.x * V)
     {
-      int i = threadIdx.x + k * blockDim.x;
-      if (i < n)
-        yr[i] = scaled (v[k], wv[k]);
+      float o[V];
+      load_vec<T, V> (e, xr + i);   /* this thread's own write above */
+#pragma unroll
+      for (int u = 0; u < V; u++)
+        o[u] = scaled (to_f (e[u]), w[i + u]);
+      store (yr + i, o);
     }
-  for (int i = threadIdx.x + NORM_PER_THREAD * blockDim.x; i < n; i += blockDim.x)
-    yr[i] = scaled (to_f (xr[i]), w[i]);   /* this thread's own write above */
 }
 
 template <typename T>
@@ -1194,9 +1229,9 @@ moe_cuda_rms_norm (int dtype, void *x, const void *h_add, int rows, int n, int g
   int threads = 128;
   while (threads < 1024 && threads * NORM_PER_THREAD < n)
     threads *= 2;
-  DISPATCH (dtype, launch_overlapped (rms_norm_kernel<T>, rows * groups, threads, 0, s,
-                                      (T *) x, (const T *) h_add, n, groups, group_stride, in_stride, weight, eps,
-                                      weight_last, (T *) y, out_stride));
+  DISPATCH (dtype, LAUNCH_VEC (fits_vec<T> ({ n, group_stride, in_stride, out_stride }, { x, h_add, y }),
+                               rms_norm_kernel, rows * groups, threads, s, (T *) x, (const T *) h_add, n, groups,
+                               group_stride, in_stride, weight, eps, weight_last, (T *) y, out_stride));
 }
 
 extern "C" void
