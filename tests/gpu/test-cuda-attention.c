@@ -13,10 +13,9 @@
  */
 #include <math.h>
 #include <string.h>
-#include <glib.h>
-#include <cuda_runtime_api.h>
 
 #include "moe-cuda-decoder.h"
+#include "moe-test-cuda-kernels.h"
 #include "moe-cuda-experts.h"   /* MOE_CUDA_BF16, MOE_CUDA_F16 */
 
 typedef struct {
@@ -38,54 +37,13 @@ static const Problem problems[] = {
   { "f16-causal", MOE_CUDA_F16, 1, 300, 0, 2, 2, 128, 128, 0, FALSE, FALSE },
 };
 
-/* the 16-bit formats, round to nearest even */
-static guint16
-to_16 (int dtype, float v)
-{
-  guint32 u;
-
-  if (dtype == MOE_CUDA_F16)
-    {
-      _Float16 h = (_Float16) v;
-      guint16 r;
-      memcpy (&r, &h, 2);
-      return r;
-    }
-  memcpy (&u, &v, 4);
-  return (guint16) ((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-static double
-from_16 (int dtype, guint16 v)
-{
-  if (dtype == MOE_CUDA_F16)
-    {
-      _Float16 h;
-      memcpy (&h, &v, 2);
-      return (double) h;
-    }
-  guint32 u = (guint32) v << 16;
-  float f;
-  memcpy (&f, &u, 4);
-  return f;
-}
-
 static guint16 *
 random_16 (GRand *rand, int dtype, gsize n, double spread)
 {
   guint16 *v = g_new (guint16, n);
   for (gsize i = 0; i < n; i++)
-    v[i] = to_16 (dtype, (float) g_rand_double_range (rand, -spread, spread));
+    v[i] = moe_test_to_16 (dtype, (float) g_rand_double_range (rand, -spread, spread));
   return v;
-}
-
-static void *
-to_device (const void *host, gsize bytes)
-{
-  void *dev = NULL;
-  g_assert_cmpint (cudaMalloc (&dev, bytes), ==, cudaSuccess);
-  g_assert_cmpint (cudaMemcpy (dev, host, bytes, cudaMemcpyHostToDevice), ==, cudaSuccess);
-  return dev;
 }
 
 static void
@@ -114,16 +72,16 @@ check_problem (gconstpointer data, MoeCudaFlashKernel kernel)
     for (int j = 0; j < keys; j++)
       valid[b * keys + j] = !(p->padding && b == 1 && j < 37);
 
-  q_dev = to_device (q, rows * q_stride * 2);
-  k_dev = to_device (k, (gsize) p->batch * p->kv_heads * capacity * p->dk * 2);
-  v_dev = to_device (v, (gsize) p->batch * p->kv_heads * capacity * p->dv * 2);
+  q_dev = moe_test_to_device (q, rows * q_stride * 2);
+  k_dev = moe_test_to_device (k, (gsize) p->batch * p->kv_heads * capacity * p->dk * 2);
+  v_dev = moe_test_to_device (v, (gsize) p->batch * p->kv_heads * capacity * p->dv * 2);
   g_assert_cmpint (cudaMalloc (&out_dev, out_n * 2), ==, cudaSuccess);
   /* poisoned: every output must be written */
   g_assert_cmpint (cudaMemset (out_dev, 0xFF, out_n * 2), ==, cudaSuccess);
   if (p->sinks)
-    sinks_dev = to_device (sinks, p->heads * sizeof (float));
+    sinks_dev = moe_test_to_device (sinks, p->heads * sizeof (float));
   if (p->padding)
-    valid_dev = to_device (valid, (gsize) p->batch * keys);
+    valid_dev = moe_test_to_device (valid, (gsize) p->batch * keys);
 
   a = (MoeCudaAttention) {
     .dtype = p->dtype, .batch = p->batch, .n_tokens = p->n_tokens, .past = p->past,
@@ -155,7 +113,7 @@ check_problem (gconstpointer data, MoeCudaFlashKernel kernel)
               gboolean ok = j <= qpos && valid[b * keys + j] && (p->window == 0 || qpos - j < p->window);
               double dot = 0.0;
               for (int d = 0; ok && d < p->dk; d++)
-                dot += from_16 (p->dtype, qv[d]) * from_16 (p->dtype, k[(kv + j) * p->dk + d]);
+                dot += moe_test_from_16 (p->dtype, qv[d]) * moe_test_from_16 (p->dtype, k[(kv + j) * p->dk + d]);
               score[j] = ok ? dot * scaling : -INFINITY;
               top = fmax (top, score[j]);
             }
@@ -170,9 +128,9 @@ check_problem (gconstpointer data, MoeCudaFlashKernel kernel)
             {
               double ref = 0.0, got;
               for (int j = 0; j < keys; j++)
-                ref += score[j] * from_16 (p->dtype, v[(kv + j) * p->dv + d]);
+                ref += score[j] * moe_test_from_16 (p->dtype, v[(kv + j) * p->dv + d]);
               ref = sum > 0.0 ? ref / sum : 0.0;
-              got = from_16 (p->dtype, out[((gsize) (b * p->n_tokens + t) * p->heads + h) * p->dv + d]);
+              got = moe_test_from_16 (p->dtype, out[((gsize) (b * p->n_tokens + t) * p->heads + h) * p->dv + d]);
               if (!isfinite (got))
                 g_error ("%s: output (b %d, t %d, head %d, dim %d) is %g: not written, or not finite",
                          p->name, b, t, h, d, got);
@@ -208,14 +166,9 @@ test_wgmma (gconstpointer data)
 int
 main (int argc, char *argv[])
 {
-  int n = 0;
-
   g_test_init (&argc, &argv, NULL);
-  if (cudaGetDeviceCount (&n) != cudaSuccess || n == 0)
-    {
-      g_print ("no CUDA device\n");
-      return 77;
-    }
+  if (!moe_test_have_cuda_device ())
+    return 77;
   for (gsize i = 0; i < G_N_ELEMENTS (problems); i++)
     {
       g_autofree char *mma = g_strdup_printf ("/cuda/flash-attention/mma-sync/%s", problems[i].name);

@@ -12,10 +12,9 @@
  */
 #include <math.h>
 #include <string.h>
-#include <glib.h>
-#include <cuda_runtime_api.h>
 
 #include "moe-cuda-decoder.h"
+#include "moe-test-cuda-kernels.h"
 #include "moe-cuda-experts.h"   /* MOE_CUDA_BF16, MOE_CUDA_F16, MOE_CUDA_F32 */
 
 typedef struct {
@@ -39,23 +38,6 @@ static const Problem problems[] = {
   { "scalar-36-of-96", MOE_CUDA_BF16, 1, 120, 0, 6, 2, 96, 36, 1.0f, FALSE },
 };
 
-/* float to the 16-bit formats, round to nearest even */
-static guint16
-to_16 (int dtype, float v)
-{
-  guint32 u;
-
-  if (dtype == MOE_CUDA_F16)
-    {
-      _Float16 h = (_Float16) v;
-      guint16 r;
-      memcpy (&r, &h, 2);
-      return r;
-    }
-  memcpy (&u, &v, 4);
-  return (guint16) ((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
 /* @n random values in [-2, 2] in @dtype (any element size) */
 static void *
 random_values (GRand *rand, int dtype, gsize n, gsize elem)
@@ -65,27 +47,10 @@ random_values (GRand *rand, int dtype, gsize n, gsize elem)
   for (gsize i = 0; i < n; i++)
     {
       float f = (float) g_rand_double_range (rand, -2.0, 2.0);
-      guint16 h = to_16 (dtype, f);
+      guint16 h = moe_test_to_16 (dtype, f);
       memcpy (v + i * elem, elem == 4 ? (const void *) &f : (const void *) &h, elem);
     }
   return v;
-}
-
-static void *
-to_device (const void *host, gsize bytes)
-{
-  void *dev = NULL;
-  g_assert_cmpint (cudaMalloc (&dev, bytes), ==, cudaSuccess);
-  g_assert_cmpint (cudaMemcpy (dev, host, bytes, cudaMemcpyHostToDevice), ==, cudaSuccess);
-  return dev;
-}
-
-static void *
-to_host (const void *dev, gsize bytes)
-{
-  void *host = g_malloc (bytes);
-  g_assert_cmpint (cudaMemcpy (host, dev, bytes, cudaMemcpyDeviceToHost), ==, cudaSuccess);
-  return host;
 }
 
 /* the first differing element of @n (@elem bytes each) of @what, or none */
@@ -121,14 +86,14 @@ test_problem (gconstpointer data)
     inv_freq[i] = (float) (1.0 / pow (1e6, 2.0 * i / p->rope_dim));
   for (int s = 0; s < 2; s++)
     {
-      qkv_dev[s] = to_device (qkv, qkv_n * elem);
-      k_dev[s] = to_device (k_init, cache_n * elem);
-      v_dev[s] = to_device (v_init, cache_n * elem);
+      qkv_dev[s] = moe_test_to_device (qkv, qkv_n * elem);
+      k_dev[s] = moe_test_to_device (k_init, cache_n * elem);
+      v_dev[s] = moe_test_to_device (v_init, cache_n * elem);
     }
-  pos_dev = to_device (positions, rows * sizeof (gint64));
-  freq_dev = to_device (inv_freq, p->rope_dim / 2 * sizeof (float));
+  pos_dev = moe_test_to_device (positions, rows * sizeof (gint64));
+  freq_dev = moe_test_to_device (inv_freq, p->rope_dim / 2 * sizeof (float));
   if (p->past_dev)
-    past_dev = to_device (&p->past, sizeof (int));
+    past_dev = moe_test_to_device (&p->past, sizeof (int));
 
   /* as attention_gqa does for more rows before (past_dev: the host's past is stale) */
   moe_cuda_rope (p->dtype, qkv_dev[0], rows, p->heads + p->kv_heads, n, p->head_dim, pos_dev, freq_dev,
@@ -143,12 +108,12 @@ test_problem (gconstpointer data)
   g_assert_cmpint (cudaGetLastError (), ==, cudaSuccess);
   g_assert_cmpint (cudaDeviceSynchronize (), ==, cudaSuccess);
 
-  qkv_a = to_host (qkv_dev[0], qkv_n * elem);
-  qkv_b = to_host (qkv_dev[1], qkv_n * elem);
-  k_a = to_host (k_dev[0], cache_n * elem);
-  k_b = to_host (k_dev[1], cache_n * elem);
-  v_a = to_host (v_dev[0], cache_n * elem);
-  v_b = to_host (v_dev[1], cache_n * elem);
+  qkv_a = moe_test_to_host (qkv_dev[0], qkv_n * elem);
+  qkv_b = moe_test_to_host (qkv_dev[1], qkv_n * elem);
+  k_a = moe_test_to_host (k_dev[0], cache_n * elem);
+  k_b = moe_test_to_host (k_dev[1], cache_n * elem);
+  v_a = moe_test_to_host (v_dev[0], cache_n * elem);
+  v_b = moe_test_to_host (v_dev[1], cache_n * elem);
   /* q rotated, k's part of the rows not read after (the new kernel leaves it), v as it was */
   for (int r = 0; r < rows; r++)
     {
@@ -175,14 +140,9 @@ test_problem (gconstpointer data)
 int
 main (int argc, char *argv[])
 {
-  int n = 0;
-
   g_test_init (&argc, &argv, NULL);
-  if (cudaGetDeviceCount (&n) != cudaSuccess || n == 0)
-    {
-      g_print ("no CUDA device\n");
-      return 77;
-    }
+  if (!moe_test_have_cuda_device ())
+    return 77;
   for (gsize i = 0; i < G_N_ELEMENTS (problems); i++)
     {
       g_autofree char *path = g_strdup_printf ("/cuda/rope-store-kv-rows/%s", problems[i].name);
