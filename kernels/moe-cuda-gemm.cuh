@@ -318,26 +318,29 @@ struct TileChoice {
 __global__ void __launch_bounds__ (1024)
 route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {})
 {
-  __shared__ int rows_sum[1024], tiles_sum[1024], tiles_ab[2];
+  __shared__ int rows_sum[1024], tiles_sum[1024], tiles_ab[2], shared_counts[2][1024];
   const int n = blockDim.x, tid = threadIdx.x;
   const int per = (E + n - 1) / n, lo = tid * per, hi = min (lo + per, E);
+  /* the counting and scattering atomics in shared memory where the
+   * experts fit (their global round trips were most of route's time) */
+  int *counts = E <= 1024 ? shared_counts[0] : r.counts, *cursor = E <= 1024 ? shared_counts[1] : r.cursor;
   int rows = 0, tiles = 0;
 
   for (int e = tid; e < E; e += n)
-    r.counts[e] = 0, r.cursor[e] = 0;
+    counts[e] = 0, cursor[e] = 0;
   __syncthreads ();
   if (tid == 0)
     tiles_ab[0] = tiles_ab[1] = 0;
   for (int i = tid; i < S; i += n)
     if ((unsigned long long) ids[i] < (unsigned long long) E)
-      atomicAdd (&r.counts[ids[i]], 1);
+      atomicAdd (&counts[ids[i]], 1);
   __syncthreads ();
 
   if (choice.bm_b > 0)
     {
       int a = 0, b = 0;
       for (int e = lo; e < hi; e++)
-        a += (r.counts[e] + bm - 1) / bm, b += (r.counts[e] + choice.bm_b - 1) / choice.bm_b;
+        a += (counts[e] + bm - 1) / bm, b += (counts[e] + choice.bm_b - 1) / choice.bm_b;
       atomicAdd (&tiles_ab[0], a);
       atomicAdd (&tiles_ab[1], b);
       __syncthreads ();
@@ -347,7 +350,7 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
   if (tid == 0 && r.tile_bm != nullptr)
     *r.tile_bm = bm;
   for (int e = lo; e < hi; e++)
-    rows += r.counts[e], tiles += (r.counts[e] + bm - 1) / bm;
+    rows += counts[e], tiles += (counts[e] + bm - 1) / bm;
   rows_sum[tid] = rows;
   tiles_sum[tid] = tiles;
   __syncthreads ();
@@ -366,8 +369,8 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
     {
       r.offsets[e] = rows;
       r.tile_start[e] = tiles;
-      rows += r.counts[e];
-      tiles += (r.counts[e] + bm - 1) / bm;
+      rows += counts[e];
+      tiles += (counts[e] + bm - 1) / bm;
     }
   if (tid == n - 1)
     r.offsets[E] = rows_sum[tid], r.tile_start[E] = tiles_sum[tid];
@@ -375,7 +378,7 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
 
   for (int i = tid; i < S; i += n)
     if ((unsigned long long) ids[i] < (unsigned long long) E)
-      r.sorted_pair[r.offsets[ids[i]] + atomicAdd (&r.cursor[ids[i]], 1)] = i;
+      r.sorted_pair[r.offsets[ids[i]] + atomicAdd (&cursor[ids[i]], 1)] = i;
 }
 
 /* ---- grouped GEMM -------------------------------------------------------
@@ -1316,6 +1319,19 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
 
   for (int tile = blockIdx.x, it0 = 0; tile_at (tile); tile += gridDim.x, it0 += ktiles)
     {
+      /* A warpgroup with no rows in its tile's part (an expert's last
+       * m-tile; with skewed routing most experts fill one m-tile a little)
+       * only hands the stages back, in step with the ring, leaving the
+       * tensor cores to the others. Its epilogue has its own barrier. */
+      if (t.rows <= cw * 64)
+        {
+          for (int it = it0; it < it0 + ktiles; it++)
+            {
+              wait_full (it);
+              mbar_arrive (&empty[it % STAGES]);
+            }
+          continue;
+        }
 #pragma unroll
       for (int i = 0; i < BN / 2; i++)
         d[i] = 0.0f;
