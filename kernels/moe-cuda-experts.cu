@@ -456,7 +456,7 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
     return ptr;
   };
 
-  /* counts and cursor first and adjacent: one memset clears both */
+  /* route's counts and cursors where the experts outnumber its shared memory's 1,024 */
   w->r.counts = (int *) take (2 * E * sizeof (int));
   w->r.cursor = w->r.counts != nullptr ? w->r.counts + E : nullptr;
   w->r.offsets = (int *) take ((E + 1) * sizeof (int));
