@@ -456,7 +456,7 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
     return ptr;
   };
 
-  /* counts and cursor first and adjacent: one memset clears both */
+  /* route's counts and cursors where the experts outnumber its shared memory's 1,024 */
   w->r.counts = (int *) take (2 * E * sizeof (int));
   w->r.cursor = w->r.counts != nullptr ? w->r.counts + E : nullptr;
   w->r.offsets = (int *) take ((E + 1) * sizeof (int));
@@ -754,16 +754,28 @@ tma_kernels ()
   return { (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8, C>, (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8, C> };
 }
 
+/* FP8 takes its wider tile from this many (token, slot) rows an expert on
+ * average (Qwen1.5-MoE's layer: 137 at 2048 tokens, where it is slower;
+ * 1,092 at 16384, where it is faster) */
+constexpr int FP8_LARGE_TILE_ROWS = 512;
+
 /* The wide tile or the tall one, route's choice */
 template <typename T, bool FP8>
 const char *
 run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
+  using Tall = TmaTall<FP8>;
   if constexpr (!FP8 && sizeof (T) != 2)
     return "the bf16/f16 tensor-core path got another dtype";
   else
-    return run_grouped_tma<T, FP8, TmaWide<FP8>, TmaTall<FP8>> (p, w, s, tma_kernels<T, FP8, TmaWide<FP8>> (),
-                                                                tma_kernels<T, FP8, TmaTall<FP8>> ());
+    {
+      if constexpr (FP8)
+        if ((long) p.tokens * p.top_k >= (long) FP8_LARGE_TILE_ROWS * p.num_experts)
+          return run_grouped_tma<T, FP8, TmaWideFp8Large, Tall> (p, w, s, tma_kernels<T, FP8, TmaWideFp8Large> (),
+                                                                 tma_kernels<T, FP8, Tall> ());
+      return run_grouped_tma<T, FP8, TmaWide<FP8>, Tall> (p, w, s, tma_kernels<T, FP8, TmaWide<FP8>> (),
+                                                          tma_kernels<T, FP8, Tall> ());
+    }
 }
 
 /* sonicmoe's schedule: the gather of x fused into gate_up's prologue

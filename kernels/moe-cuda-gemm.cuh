@@ -318,26 +318,29 @@ struct TileChoice {
 __global__ void __launch_bounds__ (1024)
 route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {})
 {
-  __shared__ int rows_sum[1024], tiles_sum[1024], tiles_ab[2];
+  __shared__ int rows_sum[1024], tiles_sum[1024], tiles_ab[2], shared_counts[2][1024];
   const int n = blockDim.x, tid = threadIdx.x;
   const int per = (E + n - 1) / n, lo = tid * per, hi = min (lo + per, E);
+  /* the counting and scattering atomics in shared memory where the
+   * experts fit (their global round trips were most of route's time) */
+  int *counts = E <= 1024 ? shared_counts[0] : r.counts, *cursor = E <= 1024 ? shared_counts[1] : r.cursor;
   int rows = 0, tiles = 0;
 
   for (int e = tid; e < E; e += n)
-    r.counts[e] = 0, r.cursor[e] = 0;
+    counts[e] = 0, cursor[e] = 0;
   __syncthreads ();
   if (tid == 0)
     tiles_ab[0] = tiles_ab[1] = 0;
   for (int i = tid; i < S; i += n)
     if ((unsigned long long) ids[i] < (unsigned long long) E)
-      atomicAdd (&r.counts[ids[i]], 1);
+      atomicAdd (&counts[ids[i]], 1);
   __syncthreads ();
 
   if (choice.bm_b > 0)
     {
       int a = 0, b = 0;
       for (int e = lo; e < hi; e++)
-        a += (r.counts[e] + bm - 1) / bm, b += (r.counts[e] + choice.bm_b - 1) / choice.bm_b;
+        a += (counts[e] + bm - 1) / bm, b += (counts[e] + choice.bm_b - 1) / choice.bm_b;
       atomicAdd (&tiles_ab[0], a);
       atomicAdd (&tiles_ab[1], b);
       __syncthreads ();
@@ -347,7 +350,7 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
   if (tid == 0 && r.tile_bm != nullptr)
     *r.tile_bm = bm;
   for (int e = lo; e < hi; e++)
-    rows += r.counts[e], tiles += (r.counts[e] + bm - 1) / bm;
+    rows += counts[e], tiles += (counts[e] + bm - 1) / bm;
   rows_sum[tid] = rows;
   tiles_sum[tid] = tiles;
   __syncthreads ();
@@ -366,8 +369,8 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
     {
       r.offsets[e] = rows;
       r.tile_start[e] = tiles;
-      rows += r.counts[e];
-      tiles += (r.counts[e] + bm - 1) / bm;
+      rows += counts[e];
+      tiles += (counts[e] + bm - 1) / bm;
     }
   if (tid == n - 1)
     r.offsets[E] = rows_sum[tid], r.tile_start[E] = tiles_sum[tid];
@@ -375,7 +378,7 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
 
   for (int i = tid; i < S; i += n)
     if ((unsigned long long) ids[i] < (unsigned long long) E)
-      r.sorted_pair[r.offsets[ids[i]] + atomicAdd (&r.cursor[ids[i]], 1)] = i;
+      r.sorted_pair[r.offsets[ids[i]] + atomicAdd (&cursor[ids[i]], 1)] = i;
 }
 
 /* ---- grouped GEMM -------------------------------------------------------
@@ -746,6 +749,22 @@ wgmma_m64n96_fp8 (float d[48], uint64_t da, uint64_t db, int accumulate)
   asm volatile ("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
                 "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1;\n}\n"
                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                : "l"(da), "l"(db), "r"(accumulate));
+#else
+  __trap ();
+#endif
+}
+
+/* d (+)= A·Bᵀ over one k-step of 32 e4m3 values, 192 columns (the wide FP8
+ * tile's); accumulate = 0 overwrites d */
+template <typename TOp>
+__device__ __forceinline__ void
+wgmma_m64n192_fp8 (float d[96], uint64_t da, uint64_t db, int accumulate)
+{
+#if defined (__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile ("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1;\n}\n"
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
                 : "l"(da), "l"(db), "r"(accumulate));
 #else
   __trap ();
@@ -1138,6 +1157,13 @@ struct TmaTile {
 template <bool FP8>
 using TmaWide = TmaTile<2, FP8 ? 128 : 256>;
 
+/* FP8's wide tile for many rows an expert, 128 × 192 (96 + 96 of a
+ * consumer's 232 registers): a third fewer A bytes per FLOP than 128 × 128,
+ * which at 16384 tokens is bound by what the copies bring in (+8.5% on an
+ * H100 for Qwen1.5-MoE's layer), but slower at 2048 (-12%: more of its
+ * columns multiply in an expert's last, part-filled m-tile's wake). */
+using TmaWideFp8Large = TmaTile<2, 192>;
+
 /* The tall tile, 192 × 192 (bf16/f16) or 192 × 96 (FP8): one m-tile for
  * an expert of up to 192 rows, where the wide one takes two, the second
  * nearly empty (137 rows an expert in a 2048-token prefill of 60 experts,
@@ -1197,7 +1223,8 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   using TOp = typename std::conditional<FP8, unsigned char, T>::type;
   constexpr int ES = sizeof (TOp), BK = WG_ROW_BYTES / ES;
   constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
-  static_assert (!FP8 || (BN == 128 && C::CW == 2) || (BN == 96 && C::CW == 3), "FP8 tiles are 128 × 128 or 192 × 96");
+  static_assert (!FP8 || (C::CW == 2 && (BN == 128 || BN == 192)) || (BN == 96 && C::CW == 3),
+                 "FP8 tiles are 128 × 128, 128 × 192 or 192 × 96");
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
   __shared__ float s_scale[FP8 ? STAGES : 1][BM + BN];   /* FP8: rows', then columns' */
@@ -1316,6 +1343,19 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
 
   for (int tile = blockIdx.x, it0 = 0; tile_at (tile); tile += gridDim.x, it0 += ktiles)
     {
+      /* A warpgroup with no rows in its tile's part (an expert's last
+       * m-tile; with skewed routing most experts fill one m-tile a little)
+       * only hands the stages back, in step with the ring, leaving the
+       * tensor cores to the others. Its epilogue has its own barrier. */
+      if (t.rows <= cw * 64)
+        {
+          for (int it = it0; it < it0 + ktiles; it++)
+            {
+              wait_full (it);
+              mbar_arrive (&empty[it % STAGES]);
+            }
+          continue;
+        }
 #pragma unroll
       for (int i = 0; i < BN / 2; i++)
         d[i] = 0.0f;
@@ -1336,6 +1376,8 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
               for (int j = 0; j < 4; j++)
                 if constexpr (BN == 96)
                   wgmma_m64n96_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+                else if constexpr (BN == 192)
+                  wgmma_m64n192_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
                 else
                   wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
               asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
