@@ -1247,14 +1247,17 @@ tma_load_multicast (void *dst, const CUtensorMap *map, uint64_t *bar, int k, int
 #endif
 }
 
-/* an arrival on bar's twin in CTA rank of the cluster */
+/* an arrival on bar's twin in CTA rank of the cluster (the default
+ * CTA-scope release: at cluster scope each arrival waited on a memory
+ * barrier, a quarter of the consumers' time; what it orders, the reads of
+ * the stage's wgmmas, is complete before it anyway) */
 __device__ __forceinline__ void
 mbar_arrive_cluster (uint64_t *bar, unsigned rank)
 {
 #if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   unsigned remote;
   asm volatile ("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr (bar)), "r"(rank));
-  asm volatile ("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" :: "r"(remote) : "memory");
+  asm volatile ("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" :: "r"(remote) : "memory");
 #endif
 }
 
@@ -1298,9 +1301,12 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
   /* FP8: each producer lane's share of a stage's scales, the rows' then
-   * one per 8 columns (promote_fp8's) */
-  constexpr int PER_LANE = FP8 ? (BM + BN / 8 + 31) / 32 : 1;
-  __shared__ float s_scale[FP8 ? STAGES : 1][32 * PER_LANE];
+   * one per 8 columns (promote_fp8's), in a ring twice the stages': a
+   * consumer hands a stage back once its products are done and promotes
+   * them after, while the producer may fill the stage again, and its
+   * scales' slot next */
+  constexpr int PER_LANE = FP8 ? (BM + BN / 8 + 31) / 32 : 1, SCALE_SLOTS = FP8 ? 2 * STAGES : 1;
+  __shared__ float s_scale[SCALE_SLOTS][32 * PER_LANE];
   unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
   const int K = KC != 0 ? KC : (MODE != MODE_GATE_UP ? p.inter : p.hidden);
   const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
@@ -1377,14 +1383,15 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                     mbar_wait (&empty[s], ((it / STAGES) + 1) & 1);
                   if (FP8)
                     {
+                      float *slot = s_scale[it % SCALE_SLOTS];
 #pragma unroll
                       for (int j = 0; j < PER_LANE; j++)
                         {
                           const int i = lane + 32 * j;
                           if (i < BM)
-                            cp_async4 (&s_scale[s][i], i < t.rows ? a_scale + kt * S + t.row0 + i : a_scale, i < t.rows);
+                            cp_async4 (slot + i, i < t.rows ? a_scale + kt * S + t.row0 + i : a_scale, i < t.rows);
                           else
-                            cp_async4 (&s_scale[s][i], b_scale[j] >= 0 ? w_scale + b_scale[j] + kt : w_scale, b_scale[j] >= 0);
+                            cp_async4 (slot + i, b_scale[j] >= 0 ? w_scale + b_scale[j] + kt : w_scale, b_scale[j] >= 0);
                         }
                       cp_async_arrive (&full[s]);
                     }
@@ -1415,9 +1422,8 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       const int row = cw * 64 + warp_in_wg * 16 + lane / 4;   /* of the tile: this thread's first */
       auto wait_full = [&] (int it) { mbar_wait (&full[it % STAGES], (it / STAGES) & 1); };
       auto stage_a_mine = [&] (int it) { return stage_a (it % STAGES) + cw * 64 * WG_ROW_BYTES; };
-      /* this warp is done with a stage (its products waited for, its
-       * scales read): one arrival a warp, at every CTA whose copies the
-       * stage holds */
+      /* this warp is done with a stage (its products waited for): one
+       * arrival a warp, at every CTA whose copies the stage holds */
       auto release = [&] (int it) {
         __syncwarp ();
         if (lane == 0)
@@ -1472,8 +1478,8 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                       wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
                   asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
                   asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-                  promote_fp8<BM, BN> (d, part, s_scale[it % STAGES], row);
                   release (it);
+                  promote_fp8<BM, BN> (d, part, s_scale[it % SCALE_SLOTS], row);
                 }
             }
           else
