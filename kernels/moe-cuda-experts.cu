@@ -802,10 +802,10 @@ tma_kernels ()
   return { (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8, C>, (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8, C> };
 }
 
-/* FP8 takes its wider tile from this many (token, slot) rows an expert on
- * average (Qwen1.5-MoE's layer: 137 at 2048 tokens, where it is slower;
- * 1,092 at 16384, where it is faster) */
-constexpr int FP8_LARGE_TILE_ROWS = 512;
+/* The large wide tile (TmaWideLarge) from this many (token, slot) rows an
+ * expert on average (Qwen1.5-MoE's layer: 137 at 2048 tokens, where it is
+ * slower; 1,092 at 16384, where it is faster) */
+constexpr int LARGE_TILE_ROWS = 512;
 
 /* The wide tile or the tall one, route's choice */
 template <typename T, bool FP8>
@@ -817,9 +817,8 @@ run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s
     return "the bf16/f16 tensor-core path got another dtype";
   else
     {
-      if constexpr (FP8)
-        if ((long) p.tokens * p.top_k >= (long) FP8_LARGE_TILE_ROWS * p.num_experts)
-          return run_grouped_tma<T, FP8, TmaWideFp8Large, Tall> (p, w, s, tma_kernels<T, FP8, TmaWideFp8Large> (),
+      if ((long) p.tokens * p.top_k >= (long) LARGE_TILE_ROWS * p.num_experts)
+        return run_grouped_tma<T, FP8, TmaWideLarge<FP8>, Tall> (p, w, s, tma_kernels<T, FP8, TmaWideLarge<FP8>> (),
                                                                  tma_kernels<T, FP8, Tall> ());
       return run_grouped_tma<T, FP8, TmaWide<FP8>, Tall> (p, w, s, tma_kernels<T, FP8, TmaWide<FP8>> (),
                                                           tma_kernels<T, FP8, Tall> ());

@@ -1172,18 +1172,23 @@ struct TmaTile {
 
 /* The wide tile, 128 rows × 256 columns (bf16/f16) or 128 (FP8, whose
  * per-block partial sums take as many registers again): of 128 rows an
- * expert or more, few pipeline fills and epilogues per FLOP. FP8's in
- * pairs: at twice bf16's rate a CTA of its own would need more bytes a
- * cycle from L2 than L2 gives. */
+ * expert or more, few pipeline fills and epilogues per FLOP. */
 template <bool FP8>
-using TmaWide = TmaTile<2, FP8 ? 128 : 256, FP8 ? 2 : 1>;
+using TmaWide = TmaTile<2, FP8 ? 128 : 256>;
 
-/* FP8's wide tile for many rows an expert, 128 × 192 (96 + 96 of a
- * consumer's 232 registers): a third fewer A bytes per FLOP than 128 × 128,
- * which at 16384 tokens is bound by what the copies bring in (+8.5% on an
- * H100 for Qwen1.5-MoE's layer), but slower at 2048 (-12%: more of its
- * columns multiply in an expert's last, part-filled m-tile's wake). */
-using TmaWideFp8Large = TmaTile<2, 192, 2>;
+/* The wide tile for many rows an expert (run_grouped_tma_aot's
+ * LARGE_TILE_ROWS). FP8: 128 × 192 (96 + 96 of a consumer's 232
+ * registers), a third fewer A bytes per FLOP than 128 × 128, which at
+ * 16384 tokens is bound by what the copies bring in (+8.5% on an H100 for
+ * Qwen1.5-MoE's layer), but slower at 2048 (-12%: more of its columns
+ * multiply in an expert's last, part-filled m-tile's wake). bf16/f16: the
+ * wide tile in CTA pairs sharing the weight tile (H100: +6.7% for that
+ * layer at 16384 tokens, +2.7% for DeepGEMM's 4 × 8192-row shape, but
+ * -11% at 2048, where an expert's second m-tile is mostly padding; FP8's
+ * pairs measured no faster than its single CTAs, and slower below 16384
+ * tokens). */
+template <bool FP8>
+using TmaWideLarge = typename std::conditional<FP8, TmaTile<2, 192>, TmaTile<2, 256, 2>>::type;
 
 /* The tall tile, 192 × 192 (bf16/f16) or 192 × 96 (FP8): one m-tile for
  * an expert of up to 192 rows, where the wide one takes two, the second

@@ -525,6 +525,9 @@ test_random_large (void)
   /* ~150 rows an expert: one tall m-tile each, where the wide tile (the
    * first case's) takes two */
   check_random (16, 256, 192, 600, 4, FALSE);
+  /* ~960 rows an expert: the large wide tile, CTAs in pairs sharing the
+   * weight tile (odd m-tile counts padded), I not a multiple of 128 */
+  check_random (4, 256, 320, 2400, 2, FALSE);
 }
 
 /* The finishes other than SwiGLU without biases, with ~150 rows an expert
