@@ -802,10 +802,18 @@ tma_kernels ()
   return { (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8, C>, (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8, C> };
 }
 
-/* The large wide tile (TmaWideLarge) from this many (token, slot) rows an
- * expert on average (Qwen1.5-MoE's layer: 137 at 2048 tokens, where it is
- * slower; 1,092 at 16384, where it is faster) */
-constexpr int LARGE_TILE_ROWS = 512;
+/* Whether the wide tile takes its form for many rows an expert
+ * (TmaWideLarge): from 512 (token, slot) rows an expert on average for
+ * bf16/f16 (Qwen1.5-MoE's layer: slower at 137 rows, 2048 tokens; faster
+ * at 1,092, 16384 tokens), 1,024 for FP8 (H100: 128 × 128 faster at
+ * DeepSeek-V3's 512 rows, 16384 tokens; 128 × 192 faster at Qwen3-30B's
+ * 1,024 and Qwen1.5-MoE's 1,092) */
+bool
+large_tiles (const MoeCudaExperts &p)
+{
+  const long rows = p.weight_format == MOE_CUDA_WEIGHTS_FP8 ? 1024 : 512;
+  return (long) p.tokens * p.top_k >= rows * p.num_experts;
+}
 
 /* The wide tile or the tall one, route's choice */
 template <typename T, bool FP8>
@@ -817,7 +825,7 @@ run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s
     return "the bf16/f16 tensor-core path got another dtype";
   else
     {
-      if ((long) p.tokens * p.top_k >= (long) LARGE_TILE_ROWS * p.num_experts)
+      if (large_tiles (p))
         return run_grouped_tma<T, FP8, TmaWideLarge<FP8>, Tall> (p, w, s, tma_kernels<T, FP8, TmaWideLarge<FP8>> (),
                                                                  tma_kernels<T, FP8, Tall> ());
       return run_grouped_tma<T, FP8, TmaWide<FP8>, Tall> (p, w, s, tma_kernels<T, FP8, TmaWide<FP8>> (),
@@ -850,7 +858,8 @@ run_deepgemm (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   const bool fp8 = p.weight_format == MOE_CUDA_WEIGHTS_FP8;
 
   if (p.jit_gate_up == nullptr || p.jit_down == nullptr || p.jit_tma_gate_up == nullptr || p.jit_tma_down == nullptr ||
-      p.jit_tall_gate_up == nullptr || p.jit_tall_down == nullptr)
+      p.jit_tall_gate_up == nullptr || p.jit_tall_down == nullptr || p.jit_large_gate_up == nullptr ||
+      p.jit_large_down == nullptr)
     return "the deepgemm schedule needs its just-in-time kernels";
   if (p.dtype != MOE_CUDA_BF16)
     return "deepgemm needs bfloat16 hidden states";
@@ -859,6 +868,10 @@ run_deepgemm (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
     case PATH_TMA:
       {
         const TmaKernels wide = { p.jit_tma_gate_up, p.jit_tma_down }, tall = { p.jit_tall_gate_up, p.jit_tall_down };
+        const TmaKernels large = { p.jit_large_gate_up, p.jit_large_down };
+        if (large_tiles (p))
+          return fp8 ? run_grouped_tma<B, true, TmaWideLarge<true>, TmaTall<true>> (p, w, s, large, tall)
+                     : run_grouped_tma<B, false, TmaWideLarge<false>, TmaTall<false>> (p, w, s, large, tall);
         return fp8 ? run_grouped_tma<B, true, TmaWide<true>, TmaTall<true>> (p, w, s, wide, tall)
                    : run_grouped_tma<B, false, TmaWide<false>, TmaTall<false>> (p, w, s, wide, tall);
       }

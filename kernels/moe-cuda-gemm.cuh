@@ -1176,8 +1176,8 @@ struct TmaTile {
 template <bool FP8>
 using TmaWide = TmaTile<2, FP8 ? 128 : 256>;
 
-/* The wide tile for many rows an expert (run_grouped_tma_aot's
- * LARGE_TILE_ROWS). FP8: 128 × 192 (96 + 96 of a consumer's 232
+/* The wide tile for many rows an expert (chosen by
+ * large_tiles). FP8: 128 × 192 (96 + 96 of a consumer's 232
  * registers), a third fewer A bytes per FLOP than 128 × 128, which at
  * 16384 tokens is bound by what the copies bring in (+8.5% on an H100 for
  * Qwen1.5-MoE's layer), but slower at 2048 (-12%: more of its columns
