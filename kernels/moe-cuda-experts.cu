@@ -409,6 +409,7 @@ struct Workspace {
   float *xq, *hq;           /* quantized weights: the activations after dynamic quantization */
   unsigned char *xq8, *hq8; /* FP8 on the tensor cores: the e4m3 activations… */
   float *xs, *hs;           /* …and their scales, [rows, ⌈K/128⌉] */
+  float *up_scale, *down_scale; /* …and UE8M0 weight scales as floats (the bulk-copy GEMMs') */
   int *row_expert;
 };
 
@@ -483,6 +484,12 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
       w->xs = (float *) take (rows * ((p->hidden + 127) / 128) * sizeof (float));
       w->hq8 = (unsigned char *) take (S * p->inter);
       w->hs = (float *) take (S * ((p->inter + 127) / 128) * sizeof (float));
+      if (path == PATH_TMA && p->scale_dtype == MOE_CUDA_E8M0)
+        {
+          size_t hb = (p->hidden + 127) / 128, ib = (p->inter + 127) / 128;
+          w->up_scale = (float *) take (E * p->up_scale_rows * hb * sizeof (float));
+          w->down_scale = (float *) take (E * hb * ib * sizeof (float));
+        }
     }
   else if (p->weight_format != MOE_CUDA_WEIGHTS_PLAIN)
     {
@@ -648,16 +655,33 @@ launch_tma (const void *kernel, long tiles, const void *a, int es, size_t a_rows
   if ((msg = make_tensor_map (&ta, a, es, a_rows, k, C::BM)) != nullptr ||
       (msg = make_tensor_map (&tb, w, es, w_rows, k, w_box_rows)) != nullptr)
     return msg;
-  /* persistent: one CTA an SM (what the shared memory allows), each
-   * taking tiles until they run out */
-  int device, sms = 0;
-  err = cudaGetDevice (&device);
+  /* persistent: one CTA an SM (what the shared memory allows), or one
+   * cluster of CTAs on as many SMs, as many as run at once, each taking
+   * tiles (tile groups: CTAs a cluster) until they run out */
+  int device, slots = 0;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg = {};
+  const long groups = (tiles + C::CLUSTER - 1) / C::CLUSTER;
+
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = C::CLUSTER, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  cfg.gridDim = dim3 (C::CLUSTER);
+  cfg.blockDim = dim3 (C::THREADS);
+  cfg.dynamicSmemBytes = C::SMEM;
+  cfg.stream = s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = C::CLUSTER > 1 ? 1 : 0;
+  err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
+  if (err == cudaSuccess && C::CLUSTER == 1)
+    err = cudaGetDevice (&device);
   if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute (&sms, cudaDevAttrMultiProcessorCount, device);
+    err = C::CLUSTER == 1 ? cudaDeviceGetAttribute (&slots, cudaDevAttrMultiProcessorCount, device)
+                          : cudaOccupancyMaxActiveClusters (&slots, kernel, &cfg);
+  if (err == cudaSuccess && slots == 0)
+    return "no cluster of the bulk-copy GEMM fits on this GPU";
+  cfg.gridDim = dim3 ((unsigned) (C::CLUSTER * (groups < slots ? groups : slots)));
   if (err == cudaSuccess)
-    err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
-  if (err == cudaSuccess)
-    err = cudaLaunchKernel (kernel, dim3 ((unsigned) (tiles < sms ? tiles : sms)), dim3 (C::THREADS), args, C::SMEM, s);
+    err = cudaLaunchKernelExC (&cfg, kernel, args);
   return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
 }
 
@@ -676,13 +700,13 @@ tma_n_tiles (const MoeCudaExperts &p, int mode)
   return mode == MODE_GATE_UP ? (p.inter + outs - 1) / outs : (p.hidden + C::BN - 1) / C::BN;
 }
 
-/* The operand bytes one m-tile of shape C loads, gate/up and down together
- * (route's TileChoice) */
+/* The operand bytes one m-tile of shape C loads from L2, gate/up and down
+ * together (route's TileChoice): a cluster's CTAs share the weight tile */
 template <typename C>
 long long
 tma_m_tile_bytes (const MoeCudaExperts &p)
 {
-  return (long long) (C::BM + C::BN) * WG_ROW_BYTES *
+  return (long long) (C::BM + C::BN / C::CLUSTER) * WG_ROW_BYTES *
          ((long long) tma_n_tiles<C> (p, MODE_GATE_UP) * p.hidden + (long long) tma_n_tiles<C> (p, MODE_DOWN) * p.inter);
 }
 
@@ -693,14 +717,26 @@ launch_tma_projection (int mode, const TmaKernels &k, const MoeCudaExperts &p, c
                        int es, const float *as, cudaStream_t s)
 {
   const int S = p.tokens * p.top_k, E = p.num_experts, nt = tma_n_tiles<C> (p, mode);
-  const long m_slots = (S + C::BM - 1) / C::BM + (long) (E < S ? E : S);
+  /* at most: every m-tile full, and each expert's last and its cluster's padding not */
+  const long m_slots = (S + C::BM - 1) / C::BM + (long) C::CLUSTER * (E < S ? E : S);
   const bool split = p.has_gate && !p.interleaved;
+  /* weight boxes: the gate and up halves apart, or a cluster CTA's half */
+  const int halves = split || C::CLUSTER > 1;
 
   if (mode == MODE_GATE_UP)
     return launch_tma<C> (k.gate_up, m_slots * nt, a, es, S, p.up, (size_t) E * (p.has_gate ? 2 * p.inter : p.inter),
-                          p.hidden, split ? C::BN / 2 : C::BN, p, w.r, as, w.h, nt, s);
-  return launch_tma<C> (k.down, m_slots * nt, a, es, S, p.down, (size_t) E * p.hidden, p.inter, C::BN, p, w.r, as,
-                        w.y, nt, s);
+                          p.hidden, halves ? C::BN / 2 : C::BN, p, w.r, as, w.h, nt, s);
+  return launch_tma<C> (k.down, m_slots * nt, a, es, S, p.down, (size_t) E * p.hidden, p.inter,
+                        C::CLUSTER > 1 ? C::BN / 2 : C::BN, p, w.r, as, w.y, nt, s);
+}
+
+/* UE8M0 scales as floats (2^(e − 127)) */
+__global__ void __launch_bounds__ (256)
+e8m0_to_float (const unsigned char *in, size_t n, float *out)
+{
+  const size_t i = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n)
+    out[i] = e8m0_to_f (in[i]);
 }
 
 /* As run_grouped_wgmma, with the bulk-copy GEMMs: x is first gathered (and
@@ -715,11 +751,23 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
 {
   constexpr bool two = !std::is_same<C, D>::value;
   const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
-  const TileChoice choice = { two ? D::BM : 0, tma_m_tile_bytes<C> (p), tma_m_tile_bytes<D> (p) };
+  const TileChoice choice = { two ? D::BM : 0, tma_m_tile_bytes<C> (p), tma_m_tile_bytes<D> (p), C::CLUSTER, D::CLUSTER };
   const void *a;
   const float *as = nullptr;
   const char *msg;
 
+  if (FP8 && p.scale_dtype == MOE_CUDA_E8M0)
+    {
+      /* the GEMMs' producers copy weight scales as they are, as floats */
+      MoeCudaExperts q = p;
+      const int hb = (p.hidden + 127) / 128, ib = (p.inter + 127) / 128;
+      const size_t up_n = (size_t) E * p.up_scale_rows * hb, down_n = (size_t) E * hb * ib;
+      e8m0_to_float<<<(unsigned) ((up_n + 255) / 256), 256, 0, s>>> ((const unsigned char *) p.up_scale, up_n, w.up_scale);
+      e8m0_to_float<<<(unsigned) ((down_n + 255) / 256), 256, 0, s>>> ((const unsigned char *) p.down_scale, down_n,
+                                                                         w.down_scale);
+      q.up_scale = w.up_scale, q.down_scale = w.down_scale, q.scale_dtype = MOE_CUDA_F32;
+      return run_grouped_tma<T, FP8, C, D> (q, w, s, kc, kd);
+    }
   route<<<1, 1024, 0, s>>> (p.ids, S, E, C::BM, w.r, choice);
   if (FP8)
     {
@@ -754,10 +802,16 @@ tma_kernels ()
   return { (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8, C>, (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8, C> };
 }
 
-/* FP8 takes its wider tile from this many (token, slot) rows an expert on
- * average (Qwen1.5-MoE's layer: 137 at 2048 tokens, where it is slower;
- * 1,092 at 16384, where it is faster) */
-constexpr int FP8_LARGE_TILE_ROWS = 512;
+/* Whether the wide tile takes its form for many rows an expert
+ * (TmaWideLarge): from 512 (token, slot) rows an expert on average
+ * (Qwen1.5-MoE's layer: slower at 137 rows, 2048 tokens; faster at 1,092,
+ * 16384 tokens; FP8 on H100: Qwen3-30B's layer at 512 rows, 8192 tokens,
+ * +18% against 128 × 128) */
+bool
+large_tiles (const MoeCudaExperts &p)
+{
+  return (long) p.tokens * p.top_k >= 512L * p.num_experts;
+}
 
 /* The wide tile or the tall one, route's choice */
 template <typename T, bool FP8>
@@ -769,9 +823,8 @@ run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s
     return "the bf16/f16 tensor-core path got another dtype";
   else
     {
-      if constexpr (FP8)
-        if ((long) p.tokens * p.top_k >= (long) FP8_LARGE_TILE_ROWS * p.num_experts)
-          return run_grouped_tma<T, FP8, TmaWideFp8Large, Tall> (p, w, s, tma_kernels<T, FP8, TmaWideFp8Large> (),
+      if (large_tiles (p))
+        return run_grouped_tma<T, FP8, TmaWideLarge<FP8>, Tall> (p, w, s, tma_kernels<T, FP8, TmaWideLarge<FP8>> (),
                                                                  tma_kernels<T, FP8, Tall> ());
       return run_grouped_tma<T, FP8, TmaWide<FP8>, Tall> (p, w, s, tma_kernels<T, FP8, TmaWide<FP8>> (),
                                                           tma_kernels<T, FP8, Tall> ());
@@ -803,7 +856,8 @@ run_deepgemm (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   const bool fp8 = p.weight_format == MOE_CUDA_WEIGHTS_FP8;
 
   if (p.jit_gate_up == nullptr || p.jit_down == nullptr || p.jit_tma_gate_up == nullptr || p.jit_tma_down == nullptr ||
-      p.jit_tall_gate_up == nullptr || p.jit_tall_down == nullptr)
+      p.jit_tall_gate_up == nullptr || p.jit_tall_down == nullptr || p.jit_large_gate_up == nullptr ||
+      p.jit_large_down == nullptr)
     return "the deepgemm schedule needs its just-in-time kernels";
   if (p.dtype != MOE_CUDA_BF16)
     return "deepgemm needs bfloat16 hidden states";
@@ -812,6 +866,10 @@ run_deepgemm (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
     case PATH_TMA:
       {
         const TmaKernels wide = { p.jit_tma_gate_up, p.jit_tma_down }, tall = { p.jit_tall_gate_up, p.jit_tall_down };
+        const TmaKernels large = { p.jit_large_gate_up, p.jit_large_down };
+        if (large_tiles (p))
+          return fp8 ? run_grouped_tma<B, true, TmaWideLarge<true>, TmaTall<true>> (p, w, s, large, tall)
+                     : run_grouped_tma<B, false, TmaWideLarge<false>, TmaTall<false>> (p, w, s, large, tall);
         return fp8 ? run_grouped_tma<B, true, TmaWide<true>, TmaTall<true>> (p, w, s, wide, tall)
                    : run_grouped_tma<B, false, TmaWide<false>, TmaTall<false>> (p, w, s, wide, tall);
       }

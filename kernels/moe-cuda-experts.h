@@ -49,6 +49,7 @@ typedef struct {
   const void *jit_gate_up, *jit_down;           /* cp.async + wgmma (8-byte aligned rows) */
   const void *jit_tma_gate_up, *jit_tma_down;   /* bulk tensor copies + wgmma, the wide tile */
   const void *jit_tall_gate_up, *jit_tall_down; /* the same, the tall tile (route picks one) */
+  const void *jit_large_gate_up, *jit_large_down; /* the same, the wide tile for many rows an expert */
 } MoeCudaExperts;
 
 /* Bytes of scratch device memory a schedule needs. */

@@ -456,14 +456,6 @@ hopper_stages ()
   return DK <= 128 ? 3 : 2;
 }
 
-[[maybe_unused]] __device__ __forceinline__ void
-cp_async_arrive (uint64_t *bar)
-{
-  /* an arrival once this thread's copies so far have landed (counted in the
-   * barrier's initial count) */
-  asm volatile ("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr (bar)) : "memory");
-}
-
 /* the two warpgroups' turns on the tensor cores (named barriers 1 and 2) */
 [[maybe_unused]] __device__ __forceinline__ void
 turn_wait (int wg)

@@ -306,11 +306,23 @@ struct Route {
 
 /* A second m-tile height route may take instead of its bm: the one whose
  * m-tiles, each loading its operand bytes (bytes_a for bm's, bytes_b for
- * bm_b's), load fewer in all, with the rows each expert really got. */
+ * bm_b's), load fewer in all, with the rows each expert really got. An
+ * expert's m-tiles are counted in multiples of the GEMM's cluster size
+ * (cluster_a for bm's, cluster_b for bm_b's): the CTAs of a cluster take
+ * m-tiles of one expert. */
 struct TileChoice {
   int bm_b;
   long long bytes_a, bytes_b;
+  int cluster_a = 1, cluster_b = 1;
 };
+
+/* m-tiles of bm rows for an expert's rows, in multiples of cluster */
+__device__ __forceinline__ int
+expert_m_tiles (int rows, int bm, int cluster)
+{
+  const int tiles = (rows + bm - 1) / bm;
+  return (tiles + cluster - 1) / cluster * cluster;
+}
 
 /* One block sorts every (token, slot) row by expert: zero the counts, count,
  * scan the counts and the m-tiles per expert, scatter. One launch: at
@@ -336,21 +348,22 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
       atomicAdd (&counts[ids[i]], 1);
   __syncthreads ();
 
+  int cluster = choice.cluster_a;
   if (choice.bm_b > 0)
     {
       int a = 0, b = 0;
       for (int e = lo; e < hi; e++)
-        a += (counts[e] + bm - 1) / bm, b += (counts[e] + choice.bm_b - 1) / choice.bm_b;
+        a += expert_m_tiles (counts[e], bm, cluster), b += expert_m_tiles (counts[e], choice.bm_b, choice.cluster_b);
       atomicAdd (&tiles_ab[0], a);
       atomicAdd (&tiles_ab[1], b);
       __syncthreads ();
       if ((long long) tiles_ab[1] * choice.bytes_b < (long long) tiles_ab[0] * choice.bytes_a)
-        bm = choice.bm_b;
+        bm = choice.bm_b, cluster = choice.cluster_b;
     }
   if (tid == 0 && r.tile_bm != nullptr)
     *r.tile_bm = bm;
   for (int e = lo; e < hi; e++)
-    rows += counts[e], tiles += (counts[e] + bm - 1) / bm;
+    rows += counts[e], tiles += expert_m_tiles (counts[e], bm, cluster);
   rows_sum[tid] = rows;
   tiles_sum[tid] = tiles;
   __syncthreads ();
@@ -370,7 +383,7 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
       r.offsets[e] = rows;
       r.tile_start[e] = tiles;
       rows += counts[e];
-      tiles += (counts[e] + bm - 1) / bm;
+      tiles += expert_m_tiles (counts[e], bm, cluster);
     }
   if (tid == n - 1)
     r.offsets[E] = rows_sum[tid], r.tile_start[E] = tiles_sum[tid];
@@ -777,21 +790,24 @@ wgmma_m64n192_fp8 (float d[96], uint64_t da, uint64_t db, int accumulate)
 
 /* FP8: one 128-wide K block's products into the float accumulators, times
  * the rows' activation scales and the columns' weight scales (sc: the
- * tile's BM row scales, then its column scales). */
+ * tile's BM row scales, then one weight scale per 8 columns: H and I are
+ * multiples of 8 on these paths, so 8 adjacent columns are 8 adjacent
+ * weight rows inside one 128-row scale block). One scale product per 8
+ * columns and row, not one per output: the promotion runs while the
+ * tensor cores wait. */
 template <int BM, int N = 128>
 __device__ __forceinline__ void
-promote_fp8 (float d[N / 2], const float part[N / 2], const float *sc, int row, int lane)
+promote_fp8 (float d[N / 2], const float part[N / 2], const float *sc, int row)
 {
   const float sa0 = sc[row], sa1 = sc[row + 8];
 #pragma unroll
   for (int j = 0; j < N / 8; j++)
     {
-      int col = j * 8 + (lane % 4) * 2;
-      float b0 = sc[BM + col], b1 = sc[BM + col + 1];
-      d[4 * j] += part[4 * j] * (sa0 * b0);
-      d[4 * j + 1] += part[4 * j + 1] * (sa0 * b1);
-      d[4 * j + 2] += part[4 * j + 2] * (sa1 * b0);
-      d[4 * j + 3] += part[4 * j + 3] * (sa1 * b1);
+      const float b = sc[BM + j], s0 = sa0 * b, s1 = sa1 * b;
+      d[4 * j] += part[4 * j] * s0;
+      d[4 * j + 1] += part[4 * j + 1] * s0;
+      d[4 * j + 2] += part[4 * j + 2] * s1;
+      d[4 * j + 3] += part[4 * j + 3] * s1;
     }
 }
 
@@ -824,7 +840,7 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
   constexpr int ES = sizeof (TOp), BK = WG_ROW_BYTES / ES, CHUNK = 16 / ES;
   extern __shared__ unsigned char smem_raw[];
   __shared__ int a_row[WG_BM], b_row[WG_BN];
-  __shared__ float s_scale[FP8 ? WG_STAGES : 1][WG_BM + WG_BN];   /* FP8: rows', then columns' */
+  __shared__ float s_scale[FP8 ? WG_STAGES : 1][WG_BM + WG_BN / 8];   /* FP8: rows', then 8 columns' */
   unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
   const int nt = blockIdx.x % n_tiles, mt = blockIdx.x / n_tiles;
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
@@ -868,9 +884,9 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
           cp_async8x2 (dst, base + (size_t) src_row * K * ES, k * ES, K * ES);
       }
     if (FP8)
-      for (int i = threadIdx.x; i < WG_BM + WG_BN; i += blockDim.x)
+      for (int i = threadIdx.x; i < WG_BM + WG_BN / 8; i += blockDim.x)
         {
-          int c = i - WG_BM;
+          int c = 8 * (i - WG_BM);
           s_scale[stage][i] = i < WG_BM ? (a_row[i] >= 0 ? a_scale[(size_t) kt * a_rows + a_row[i]] : 0.0f)
                                         : (b_row[c] >= 0 ? weight_scale<MOE_CUDA_WEIGHTS_FP8, MODE> (p, t.e, b_row[c], k0) : 0.0f);
         }
@@ -906,7 +922,7 @@ wgmma_gemm (const MoeCudaExperts &p, const Route &r, const void *a_base, const f
             wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
           asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          promote_fp8<WG_BM> (d, part, s_scale[kt % WG_STAGES], wg * 64 + warp_in_wg * 16 + lane / 4, lane);
+          promote_fp8<WG_BM> (d, part, s_scale[kt % WG_STAGES], wg * 64 + warp_in_wg * 16 + lane / 4);
         }
       else
         {
@@ -1141,10 +1157,13 @@ drain_accumulators (const MoeCudaExperts &p, const Route &r, const float (&d)[N 
 
 /* A tile of the bulk-copy GEMM: CW consumer warpgroups (BM = 64·CW rows)
  * × BN columns, and the registers a thread of the producer warpgroup and of
- * a consumer keep after setmaxnreg (together the SM's 64K). */
-template <int CW_, int BN_>
+ * a consumer keep after setmaxnreg (together the SM's 64K). With CLUSTER 2
+ * the CTAs run in pairs, each pair on two m-tiles of one expert and the
+ * same weight tile: each CTA copies half of that tile into both (a
+ * multicast bulk copy), so L2 serves each weight tile once for the two. */
+template <int CW_, int BN_, int CLUSTER_ = 1>
 struct TmaTile {
-  static constexpr int CW = CW_, BM = 64 * CW, BN = BN_, THREADS = 128 * (CW + 1);
+  static constexpr int CW = CW_, BM = 64 * CW, BN = BN_, THREADS = 128 * (CW + 1), CLUSTER = CLUSTER_;
   static constexpr int STAGE_BYTES = (BM + BN) * WG_ROW_BYTES, STAGES = STAGE_BYTES >= 48 * 1024 ? 4 : 5;
   static constexpr size_t SMEM = (size_t) STAGES * STAGE_BYTES + 1024 + CW * TM_EPI_BYTES;
   static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = CW == 2 ? 232 : 152;
@@ -1157,12 +1176,19 @@ struct TmaTile {
 template <bool FP8>
 using TmaWide = TmaTile<2, FP8 ? 128 : 256>;
 
-/* FP8's wide tile for many rows an expert, 128 × 192 (96 + 96 of a
- * consumer's 232 registers): a third fewer A bytes per FLOP than 128 × 128,
- * which at 16384 tokens is bound by what the copies bring in (+8.5% on an
- * H100 for Qwen1.5-MoE's layer), but slower at 2048 (-12%: more of its
- * columns multiply in an expert's last, part-filled m-tile's wake). */
-using TmaWideFp8Large = TmaTile<2, 192>;
+/* The wide tile for many rows an expert (chosen by
+ * large_tiles). FP8: 128 × 192 (96 + 96 of a consumer's 232
+ * registers), a third fewer A bytes per FLOP than 128 × 128, which at
+ * 16384 tokens is bound by what the copies bring in (+8.5% on an H100 for
+ * Qwen1.5-MoE's layer), but slower at 2048 (-12%: more of its columns
+ * multiply in an expert's last, part-filled m-tile's wake). bf16/f16: the
+ * wide tile in CTA pairs sharing the weight tile (H100: +6.7% for that
+ * layer at 16384 tokens, +2.7% for DeepGEMM's 4 × 8192-row shape, but
+ * -11% at 2048, where an expert's second m-tile is mostly padding; FP8's
+ * pairs measured no faster than its single CTAs, and slower below 16384
+ * tokens). */
+template <bool FP8>
+using TmaWideLarge = typename std::conditional<FP8, TmaTile<2, 192>, TmaTile<2, 256, 2>>::type;
 
 /* The tall tile, 192 × 192 (bf16/f16) or 192 × 96 (FP8): one m-tile for
  * an expert of up to 192 rows, where the wide one takes two, the second
@@ -1214,6 +1240,57 @@ tma_load (void *dst, const CUtensorMap *map, uint64_t *bar, int k, int row)
 #endif
 }
 
+/* box at (element k, row) into the same place of every CTA in mask's
+ * cluster, each CTA's bar counting its bytes */
+__device__ __forceinline__ void
+tma_load_multicast (void *dst, const CUtensorMap *map, uint64_t *bar, int k, int row, unsigned short mask)
+{
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                " [%0], [%1, {%3, %4}], [%2], %5;\n"
+                :: "r"(smem_addr (dst)), "l"(map), "r"(smem_addr (bar)), "r"(k), "r"(row), "h"(mask) : "memory");
+#endif
+}
+
+/* an arrival on bar's twin in CTA rank of the cluster (the default
+ * CTA-scope release: at cluster scope each arrival waited on a memory
+ * barrier, a quarter of the consumers' time; what it orders, the reads of
+ * the stage's wgmmas, is complete before it anyway) */
+__device__ __forceinline__ void
+mbar_arrive_cluster (uint64_t *bar, unsigned rank)
+{
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned remote;
+  asm volatile ("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr (bar)), "r"(rank));
+  asm volatile ("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" :: "r"(remote) : "memory");
+#endif
+}
+
+/* every thread of every CTA in the cluster */
+__device__ __forceinline__ void
+cluster_sync ()
+{
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile ("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+#endif
+}
+
+/* 4 bytes global → shared without registers (zeros where !valid), and an
+ * arrival on bar once this thread's copies so far have landed (counted in
+ * the barrier's initial count): the thread goes on without waiting */
+__device__ __forceinline__ void
+cp_async4 (void *smem, const void *gmem, bool valid)
+{
+  asm volatile ("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(smem_addr (smem)), "l"(gmem), "r"(valid ? 4 : 0)
+                : "memory");
+}
+
+[[maybe_unused]] __device__ __forceinline__ void
+cp_async_arrive (uint64_t *bar)
+{
+  asm volatile ("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr (bar)) : "memory");
+}
+
 template <typename T, int MODE, bool FP8, int KC, typename C>
 __device__ __forceinline__ void
 tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p, const Route &r,
@@ -1222,25 +1299,36 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
 #if defined (__CUDA_ARCH_FEAT_SM90_ALL)
   using TOp = typename std::conditional<FP8, unsigned char, T>::type;
   constexpr int ES = sizeof (TOp), BK = WG_ROW_BYTES / ES;
-  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
+  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES, CL = C::CLUSTER;
   static_assert (!FP8 || (C::CW == 2 && (BN == 128 || BN == 192)) || (BN == 96 && C::CW == 3),
                  "FP8 tiles are 128 × 128, 128 × 192 or 192 × 96");
+  static_assert (CL == 1 || CL == 2, "clusters of one CTA or two");
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
-  __shared__ float s_scale[FP8 ? STAGES : 1][BM + BN];   /* FP8: rows', then columns' */
+  /* FP8: each producer lane's share of a stage's scales, the rows' then
+   * one per 8 columns (promote_fp8's), in a ring twice the stages': a
+   * consumer hands a stage back once its products are done and promotes
+   * them after, while the producer may fill the stage again, and its
+   * scales' slot next */
+  constexpr int PER_LANE = FP8 ? (BM + BN / 8 + 31) / 32 : 1, SCALE_SLOTS = FP8 ? 2 * STAGES : 1;
+  __shared__ float s_scale[SCALE_SLOTS][32 * PER_LANE];
   unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
   const int K = KC != 0 ? KC : (MODE != MODE_GATE_UP ? p.inter : p.hidden);
   const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
   const int ktiles = (K + BK - 1) / BK;
   const size_t S = (size_t) p.tokens * p.top_k;   /* rows of a_scale */
-  /* Persistent: CTA b takes tiles b, b + grid, … (n-tiles fastest, so the
-   * CTAs in flight share their m-tiles' rows of A) until they run past
+  /* Persistent: cluster c takes tile groups c, c + clusters, …, a group
+   * being CL adjacent m-tiles of one expert (route counts each expert's
+   * m-tiles in multiples of CL) at one n-tile, n-tiles fastest, so the
+   * CTAs in flight share their m-tiles' rows of A; until they run past
    * the routed rows. Every thread walks the same tiles, and the ring's
    * stages and phases run on across them (it counts k-steps so far). */
+  const int rank = blockIdx.x % CL, first = blockIdx.x / CL, step = gridDim.x / CL;
   Tile t;
-  auto tile_at = [&] (int tile) { return find_tile (r, p.num_experts, BM, tile / n_tiles, &t); };
+  auto tile_at = [&] (int group) { return find_tile (r, p.num_experts, BM, group / n_tiles * CL + rank, &t); };
 
-  /* route sorted this call for the other tile height: its kernel runs it */
+  /* route sorted this call for the other tile height: its kernel runs it
+   * (the same answer for every CTA of the cluster) */
   if (*r.tile_bm != BM)
     return;
 
@@ -1248,175 +1336,193 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
     {
       for (int s = 0; s < STAGES; s++)
         {
-          /* FP8: every producer lane writes scales and releases them itself */
-          mbar_init (&full[s], FP8 ? 32 : 1);
-          mbar_init (&empty[s], C::CW * 128);
+          /* FP8: every producer lane's scale copies, and lane 0's bytes */
+          mbar_init (&full[s], FP8 ? 33 : 1);
+          /* each consumer warp of every CTA the stage's copies reach */
+          mbar_init (&empty[s], CL * C::CW * 4);
         }
       asm volatile ("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-  __syncthreads ();
+  /* no copy lands in, or arrives at, a CTA before its barriers are set */
+  if constexpr (CL > 1)
+    cluster_sync ();
+  else
+    __syncthreads ();
 
   auto stage_a = [&] (int stage) { return smem + stage * STAGE_BYTES; };
   auto stage_b = [&] (int stage) { return smem + stage * STAGE_BYTES + BM * WG_ROW_BYTES; };
-  const int wg = threadIdx.x / 128;
+  const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
 
   if (wg == 0)
     {
-      /* the producer: warp 0; lane 0 issues the copies */
+      /* the producer: warp 0; lane 0 issues the bulk copies */
       asm volatile ("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(C::PRODUCER_REGS));
-      if (threadIdx.x >= 32)
-        return;
-      const int lane = threadIdx.x;
-      /* the tile's weight rows: one box, or the gate and up halves apart */
-      const bool split = MODE == MODE_GATE_UP && p.has_gate && !p.interleaved;
-      /* FP8: each lane's share of a stage's scales (the rows', then the
-       * columns'), loaded a stage ahead so their latency hides behind the
-       * wait for a free stage; a column's come from where its weight row's
-       * scales start (b_scale, -1 past the end) */
-      constexpr int PER_LANE = FP8 ? (BM + BN) / 32 : 1;
-      float next[PER_LANE];
-      int b_scale[PER_LANE];
-      auto load_scales = [&] (int kt) {
-#pragma unroll
-        for (int j = 0; j < PER_LANE; j++)
-          {
-            const int i = lane + 32 * j;
-            if (i < BM)
-              next[j] = i < t.rows ? a_scale[(size_t) kt * S + t.row0 + i] : 0.0f;
-            else
-              next[j] = b_scale[j] >= 0 ? fp8_scale_at<MODE> (p, b_scale[j] + kt) : 0.0f;
-          }
-      };
-      for (int tile = blockIdx.x, it = 0; tile_at (tile); tile += gridDim.x)
+      if (threadIdx.x < 32)
         {
-          const int nt = tile % n_tiles, row0 = tile_weight_row<MODE> (p, BN, nt, 0);
-          const int wrow0 = t.e * nw + (split ? nt * (BN / 2) : row0 >= 0 ? row0 : 0);
-          if (FP8)
+          /* the tile's weight rows: one box, or the gate and up halves apart */
+          const bool split = MODE == MODE_GATE_UP && p.has_gate && !p.interleaved;
+          /* FP8 (float scales: run_grouped_tma converts UE8M0 ones): each
+           * lane copies its share of a stage's scales asynchronously, the
+           * stage's barrier counting them in; 8 columns' come from where
+           * their first weight row's scales start (b_scale, -1 past the end) */
+          const float *w_scale = (const float *) (MODE != MODE_GATE_UP ? p.down_scale : p.up_scale);
+          int b_scale[PER_LANE];
+          for (int group = first, it = 0; tile_at (group); group += step)
             {
-#pragma unroll
-              for (int j = 0; j < PER_LANE; j++)
-                {
-                  const int c = lane + 32 * j - BM, row = c >= 0 ? tile_weight_row<MODE> (p, BN, nt, c) : -1;
-                  b_scale[j] = row >= 0 ? fp8_scale_row<MODE> (p, t.e, row) : -1;
-                }
-              load_scales (0);
-            }
-          for (int kt = 0; kt < ktiles; kt++, it++)
-            {
-              const int s = it % STAGES;
-              if (it >= STAGES)
-                mbar_wait (&empty[s], ((it / STAGES) + 1) & 1);
+              const int nt = group % n_tiles, row0 = tile_weight_row<MODE> (p, BN, nt, 0);
+              const int wrow0 = t.e * nw + (split ? nt * (BN / 2) : row0 >= 0 ? row0 : 0);
               if (FP8)
                 {
 #pragma unroll
                   for (int j = 0; j < PER_LANE; j++)
-                    s_scale[s][lane + 32 * j] = next[j];
-                  if (kt + 1 < ktiles)
-                    load_scales (kt + 1);
-                  if (lane != 0)
-                    mbar_arrive (&full[s]);
-                }
-              if (lane == 0)
-                {
-                  mbar_expect_tx (&full[s], STAGE_BYTES);
-                  tma_load (stage_a (s), ta, &full[s], kt * BK, t.row0);
-                  if (split)
                     {
-                      tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
-                      tma_load (stage_b (s) + (BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK, wrow0 + p.inter);
+                      const int c = 8 * (lane + 32 * j - BM);
+                      const int row = c >= 0 && c < BN ? tile_weight_row<MODE> (p, BN, nt, c) : -1;
+                      b_scale[j] = row >= 0 ? fp8_scale_row<MODE> (p, t.e, row) : -1;
                     }
-                  else
-                    tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
+                }
+              for (int kt = 0; kt < ktiles; kt++, it++)
+                {
+                  const int s = it % STAGES;
+                  if (it >= STAGES)
+                    mbar_wait (&empty[s], ((it / STAGES) + 1) & 1);
+                  if (FP8)
+                    {
+                      float *slot = s_scale[it % SCALE_SLOTS];
+#pragma unroll
+                      for (int j = 0; j < PER_LANE; j++)
+                        {
+                          const int i = lane + 32 * j;
+                          if (i < BM)
+                            cp_async4 (slot + i, i < t.rows ? a_scale + kt * S + t.row0 + i : a_scale, i < t.rows);
+                          else
+                            cp_async4 (slot + i, b_scale[j] >= 0 ? w_scale + b_scale[j] + kt : w_scale, b_scale[j] >= 0);
+                        }
+                      cp_async_arrive (&full[s]);
+                    }
+                  if (lane == 0)
+                    {
+                      mbar_expect_tx (&full[s], STAGE_BYTES);
+                      tma_load (stage_a (s), ta, &full[s], kt * BK, t.row0);
+                      if constexpr (CL > 1)
+                        /* this CTA's half of the weight tile, into both */
+                        tma_load_multicast (stage_b (s) + rank * (BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK,
+                                            split ? wrow0 + rank * p.inter : wrow0 + rank * (BN / 2), 0x3);
+                      else if (split)
+                        {
+                          tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
+                          tma_load (stage_b (s) + (BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK, wrow0 + p.inter);
+                        }
+                      else
+                        tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
+                    }
                 }
             }
         }
-      return;
     }
-
-  asm volatile ("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(C::CONSUMER_REGS));
-  const int cw = wg - 1;
-  const int lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
-  const int row = cw * 64 + warp_in_wg * 16 + lane / 4;   /* of the tile: this thread's first */
-  auto wait_full = [&] (int it) { mbar_wait (&full[it % STAGES], (it / STAGES) & 1); };
-  auto stage_a_mine = [&] (int it) { return stage_a (it % STAGES) + cw * 64 * WG_ROW_BYTES; };
-  float d[BN / 2];
-
-  for (int tile = blockIdx.x, it0 = 0; tile_at (tile); tile += gridDim.x, it0 += ktiles)
+  else
     {
-      /* A warpgroup with no rows in its tile's part (an expert's last
-       * m-tile; with skewed routing most experts fill one m-tile a little)
-       * only hands the stages back, in step with the ring, leaving the
-       * tensor cores to the others. Its epilogue has its own barrier. */
-      if (t.rows <= cw * 64)
-        {
-          for (int it = it0; it < it0 + ktiles; it++)
-            {
-              wait_full (it);
-              mbar_arrive (&empty[it % STAGES]);
-            }
-          continue;
-        }
-#pragma unroll
-      for (int i = 0; i < BN / 2; i++)
-        d[i] = 0.0f;
+      asm volatile ("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(C::CONSUMER_REGS));
+      const int cw = wg - 1, warp_in_wg = (threadIdx.x % 128) / 32;
+      const int row = cw * 64 + warp_in_wg * 16 + lane / 4;   /* of the tile: this thread's first */
+      auto wait_full = [&] (int it) { mbar_wait (&full[it % STAGES], (it / STAGES) & 1); };
+      auto stage_a_mine = [&] (int it) { return stage_a (it % STAGES) + cw * 64 * WG_ROW_BYTES; };
+      /* this warp is done with a stage (its products waited for): one
+       * arrival a warp, at every CTA whose copies the stage holds */
+      auto release = [&] (int it) {
+        __syncwarp ();
+        if (lane == 0)
+          {
+            mbar_arrive (&empty[it % STAGES]);
+            if constexpr (CL > 1)
+              mbar_arrive_cluster (&empty[it % STAGES], rank ^ 1);
+          }
+      };
+      float d[BN / 2];
 
-      if constexpr (FP8)
+      for (int group = first, it0 = 0; tile_at (group); group += step, it0 += ktiles)
         {
-          /* One block's partial sums, scaled into d once its products are
-           * done. (Two sets, the next block's products running during the
-           * scaling, made ptxas serialize every wgmma: it sees the other
-           * set's registers read while products are in flight.) */
-          float part[BN / 2];
-          for (int it = it0; it < it0 + ktiles; it++)
+          const int nt = group % n_tiles;
+          /* A warpgroup with no rows in its tile's part (an expert's last
+           * m-tile; with skewed routing most experts fill one m-tile a
+           * little; a cluster's padding m-tile) only hands the stages
+           * back, in step with the ring, leaving the tensor cores to the
+           * others. Its epilogue has its own barrier. */
+          if (t.rows <= cw * 64)
             {
-              wait_full (it);
-              unsigned char *sa = stage_a_mine (it), *sb = stage_b (it % STAGES);
-              asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+              for (int it = it0; it < it0 + ktiles; it++)
+                {
+                  wait_full (it);
+                  release (it);
+                }
+              continue;
+            }
 #pragma unroll
-              for (int j = 0; j < 4; j++)
-                if constexpr (BN == 96)
-                  wgmma_m64n96_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
-                else if constexpr (BN == 192)
-                  wgmma_m64n192_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
-                else
-                  wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
-              asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          for (int i = 0; i < BN / 2; i++)
+            d[i] = 0.0f;
+
+          if constexpr (FP8)
+            {
+              /* One block's partial sums, scaled into d once its products are
+               * done. (Two sets, the next block's products running during the
+               * scaling, made ptxas serialize every wgmma: it sees the other
+               * set's registers read while products are in flight.) */
+              float part[BN / 2];
+              for (int it = it0; it < it0 + ktiles; it++)
+                {
+                  wait_full (it);
+                  unsigned char *sa = stage_a_mine (it), *sb = stage_b (it % STAGES);
+                  asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                  for (int j = 0; j < 4; j++)
+                    if constexpr (BN == 96)
+                      wgmma_m64n96_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+                    else if constexpr (BN == 192)
+                      wgmma_m64n192_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+                    else
+                      wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+                  asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                  asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+                  release (it);
+                  promote_fp8<BM, BN> (d, part, s_scale[it % SCALE_SLOTS], row);
+                }
+            }
+          else
+            {
+              for (int it = it0; it < it0 + ktiles; it++)
+                {
+                  wait_full (it);
+                  unsigned char *sa = stage_a_mine (it), *sb = stage_b (it % STAGES);
+                  asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                  for (int j = 0; j < BK / 16; j++)
+                    if constexpr (BN == 256)
+                      wgmma_m64n256<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
+                    else if constexpr (BN == 192)
+                      wgmma_m64n192<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
+                    else
+                      wgmma_m64n128<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), 1);
+                  asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                  /* the previous step's products are done: hand its stage back */
+                  asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                  if (it > it0)
+                    release (it - 1);
+                }
               asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-              promote_fp8<BM, BN> (d, part, s_scale[it % STAGES], row, lane);
-              mbar_arrive (&empty[it % STAGES]);
+              release (it0 + ktiles - 1);
             }
+          /* while the producer fills the ring with the next tile's operands */
+          if (MODE == MODE_GATE_UP ? swiglu_plain (p) : p.down_bias == nullptr)
+            finish_in_registers<T, MODE, BN> (p, r, d, cw, nt, t, dst);
+          else
+            drain_accumulators<T, MODE, BN> (p, r, d, (float *) (smem + STAGES * STAGE_BYTES) + cw * 64 * TM_EPI_LD,
+                                             cw, nt, t, dst);
         }
-      else
-        {
-          for (int it = it0; it < it0 + ktiles; it++)
-            {
-              wait_full (it);
-              unsigned char *sa = stage_a_mine (it), *sb = stage_b (it % STAGES);
-              asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-              for (int j = 0; j < BK / 16; j++)
-                if constexpr (BN == 256)
-                  wgmma_m64n256<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
-                else if constexpr (BN == 192)
-                  wgmma_m64n192<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32));
-                else
-                  wgmma_m64n128<TOp> (d, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), 1);
-              asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-              /* the previous step's products are done: hand its stage back */
-              asm volatile ("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-              if (it > it0)
-                mbar_arrive (&empty[(it - 1) % STAGES]);
-            }
-          asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          mbar_arrive (&empty[(it0 + ktiles - 1) % STAGES]);
-        }
-      /* while the producer fills the ring with the next tile's operands */
-      if (MODE == MODE_GATE_UP ? swiglu_plain (p) : p.down_bias == nullptr)
-        finish_in_registers<T, MODE, BN> (p, r, d, cw, tile % n_tiles, t, dst);
-      else
-        drain_accumulators<T, MODE, BN> (p, r, d, (float *) (smem + STAGES * STAGE_BYTES) + cw * 64 * TM_EPI_LD,
-                                         cw, tile % n_tiles, t, dst);
     }
+  /* no CTA leaves while the other's copies may still land in it or its
+   * consumers still arrive at its barriers */
+  if constexpr (CL > 1)
+    cluster_sync ();
 #else
   __trap ();
 #endif

@@ -23,7 +23,7 @@
 
 typedef struct {
   cudaLibrary_t library;
-  cudaKernel_t  gate_up, down, tma_gate_up, tma_down, tall_gate_up, tall_down;
+  cudaKernel_t  gate_up, down, tma_gate_up, tma_down, tall_gate_up, tall_down, large_gate_up, large_down;
 } JitKernels;
 
 G_DEFINE_FINAL_TYPE (MoeCudaDevice, moe_cuda_device, MOE_TYPE_DEVICE)
@@ -669,10 +669,10 @@ jit_source (gboolean  fp8,
       for (guint j = 0; lines[j] != NULL; j++)
         g_string_append (src, lines[j]);
     }
-  /* each projection three times: bulk tensor copies (16-byte aligned
-   * rows) in the wide tile and in the tall one (route picks by the rows
-   * each expert got), and cp.async (8-byte aligned); the schedule picks by
-   * the shapes */
+  /* each projection four times: bulk tensor copies (16-byte aligned
+   * rows) in the wide tile, its form for many rows an expert, and the tall
+   * tile (route picks by the rows each expert got), and cp.async (8-byte
+   * aligned); the schedule picks by the shapes */
   for (int mode = 0; mode < 2; mode++)
     {
       const char *name = mode == 0 ? "gate_up" : "down", *mode_name = mode == 0 ? "MODE_GATE_UP" : "MODE_DOWN";
@@ -680,14 +680,14 @@ jit_source (gboolean  fp8,
       const char *f = fp8 ? "true" : "false";
 
       /* (prefix, tile shape) of the bulk-copy kernels */
-      const char *tma[2][2] = { { "tma", "TmaWide" }, { "tall", "TmaTall" } };
+      const char *tma[3][2] = { { "tma", "TmaWide" }, { "tall", "TmaTall" }, { "large", "TmaWideLarge" } };
 
       g_string_append_printf (src,
         "\nextern \"C\" __global__ void __launch_bounds__ (256)\n"
         "moe_deepgemm_%s (MoeCudaExperts p, Route r, const void *a, const float *s, void *dst, int n_tiles)\n"
         "{\n  wgmma_gemm<__nv_bfloat16, %s, %s, %d> (p, r, a, s, dst, n_tiles);\n}\n",
         name, mode_name, f, k);
-      for (int t = 0; t < 2; t++)
+      for (int t = 0; t < 3; t++)
         g_string_append_printf (src,
           "extern \"C\" __global__ void __launch_bounds__ (%s<%s>::THREADS, 1)\n"
           "moe_deepgemm_%s_%s (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,\n"
@@ -746,6 +746,10 @@ jit_kernels_get (MoeCudaDevice  *self,
     err = cudaLibraryGetKernel (&k->tall_gate_up, k->library, "moe_deepgemm_tall_gate_up");
   if (err == cudaSuccess)
     err = cudaLibraryGetKernel (&k->tall_down, k->library, "moe_deepgemm_tall_down");
+  if (err == cudaSuccess)
+    err = cudaLibraryGetKernel (&k->large_gate_up, k->library, "moe_deepgemm_large_gate_up");
+  if (err == cudaSuccess)
+    err = cudaLibraryGetKernel (&k->large_down, k->library, "moe_deepgemm_large_down");
   if (err != cudaSuccess)
     {
       cudaGetLastError ();
@@ -886,6 +890,8 @@ cuda_run_experts (MoeDevice           *device,
       e.jit_tma_down = k->tma_down;
       e.jit_tall_gate_up = k->tall_gate_up;
       e.jit_tall_down = k->tall_down;
+      e.jit_large_gate_up = k->large_gate_up;
+      e.jit_large_down = k->large_down;
     }
 
   out = moe_tensor_new_empty (device, dtype, moe_tensor_get_shape (hidden_states, NULL), 2, error);

@@ -495,8 +495,16 @@ test_random_fp8 (void)
 {
   check_random_fp8 (16, 512, 384, 1000, 4, MOE_QUANT_FORMAT_FP8);
   check_random_fp8 (8, 264, 200, 700, 2, MOE_QUANT_FORMAT_FP8_UE8M0);
-  /* ~140 rows an expert: the bulk-copy GEMM's tall FP8 tile (192 × 96) */
-  check_random_fp8 (16, 256, 192, 600, 4, MOE_QUANT_FORMAT_FP8);
+  /* ~140 rows an expert, I a multiple of 48 but not 64: the bulk-copy
+   * GEMM's tall FP8 tile (192 × 96), which route takes over a pair of
+   * wide ones there */
+  check_random_fp8 (16, 256, 144, 600, 4, MOE_QUANT_FORMAT_FP8);
+  /* ~400 rows an expert, UE8M0: the wide tile (128 × 128, CTAs in pairs,
+   * odd m-tile counts padded) on the scales made floats */
+  check_random_fp8 (8, 256, 192, 1800, 2, MOE_QUANT_FORMAT_FP8_UE8M0);
+  /* ~560 rows an expert: the 128 × 192 tile in pairs, its 96-output
+   * halves across 128-row scale blocks, I not a multiple of 96 */
+  check_random_fp8 (4, 384, 320, 1400, 2, MOE_QUANT_FORMAT_FP8);
 }
 
 static void
@@ -517,6 +525,9 @@ test_random_large (void)
   /* ~150 rows an expert: one tall m-tile each, where the wide tile (the
    * first case's) takes two */
   check_random (16, 256, 192, 600, 4, FALSE);
+  /* ~960 rows an expert: the large wide tile, CTAs in pairs sharing the
+   * weight tile (odd m-tile counts padded), I not a multiple of 128 */
+  check_random (4, 256, 320, 2400, 2, FALSE);
 }
 
 /* The finishes other than SwiGLU without biases, with ~150 rows an expert
