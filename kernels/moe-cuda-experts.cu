@@ -445,6 +445,15 @@ hopper_path (const MoeCudaExperts &p, int schedule)
   return (p.hidden * es) % 16 == 0 && (p.inter * es) % 16 == 0 ? PATH_TMA : PATH_WGMMA;
 }
 
+/* FP8: how many block scales up's and down's weight scale tensors hold */
+void
+fp8_scale_counts (const MoeCudaExperts &p, size_t *up_n, size_t *down_n)
+{
+  const size_t hb = (p.hidden + 127) / 128, ib = (p.inter + 127) / 128;
+  *up_n = (size_t) p.num_experts * p.up_scale_rows * hb;
+  *down_n = (size_t) p.num_experts * hb * ib;
+}
+
 size_t
 carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
 {
@@ -486,9 +495,10 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
       w->hs = (float *) take (S * ((p->inter + 127) / 128) * sizeof (float));
       if (path == PATH_TMA && p->scale_dtype == MOE_CUDA_E8M0)
         {
-          size_t hb = (p->hidden + 127) / 128, ib = (p->inter + 127) / 128;
-          w->up_scale = (float *) take (E * p->up_scale_rows * hb * sizeof (float));
-          w->down_scale = (float *) take (E * hb * ib * sizeof (float));
+          size_t up_n, down_n;
+          fp8_scale_counts (*p, &up_n, &down_n);
+          w->up_scale = (float *) take (up_n * sizeof (float));
+          w->down_scale = (float *) take (down_n * sizeof (float));
         }
     }
   else if (p->weight_format != MOE_CUDA_WEIGHTS_PLAIN)
@@ -721,7 +731,7 @@ launch_tma_projection (int mode, const TmaKernels &k, const MoeCudaExperts &p, c
   const long m_slots = (S + C::BM - 1) / C::BM + (long) C::CLUSTER * (E < S ? E : S);
   const bool split = p.has_gate && !p.interleaved;
   /* weight boxes: the gate and up halves apart, or a cluster CTA's half */
-  const int halves = split || C::CLUSTER > 1;
+  const bool halves = split || C::CLUSTER > 1;
 
   if (mode == MODE_GATE_UP)
     return launch_tma<C> (k.gate_up, m_slots * nt, a, es, S, p.up, (size_t) E * (p.has_gate ? 2 * p.inter : p.inter),
@@ -760,8 +770,8 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
     {
       /* the GEMMs' producers copy weight scales as they are, as floats */
       MoeCudaExperts q = p;
-      const int hb = (p.hidden + 127) / 128, ib = (p.inter + 127) / 128;
-      const size_t up_n = (size_t) E * p.up_scale_rows * hb, down_n = (size_t) E * hb * ib;
+      size_t up_n, down_n;
+      fp8_scale_counts (p, &up_n, &down_n);
       e8m0_to_float<<<(unsigned) ((up_n + 255) / 256), 256, 0, s>>> ((const unsigned char *) p.up_scale, up_n, w.up_scale);
       e8m0_to_float<<<(unsigned) ((down_n + 255) / 256), 256, 0, s>>> ((const unsigned char *) p.down_scale, down_n,
                                                                          w.down_scale);

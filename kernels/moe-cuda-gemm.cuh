@@ -1176,12 +1176,12 @@ struct TmaTile {
 template <bool FP8>
 using TmaWide = TmaTile<2, FP8 ? 128 : 256>;
 
-/* The wide tile for many rows an expert (chosen by
- * large_tiles). FP8: 128 × 192 (96 + 96 of a consumer's 232
- * registers), a third fewer A bytes per FLOP than 128 × 128, which at
- * 16384 tokens is bound by what the copies bring in (+8.5% on an H100 for
- * Qwen1.5-MoE's layer), but slower at 2048 (-12%: more of its columns
- * multiply in an expert's last, part-filled m-tile's wake). bf16/f16: the
+/* The wide tile for many rows an expert (large_tiles chooses it). FP8:
+ * 128 × 192 (96 + 96 of a consumer's 232 registers), a third fewer A bytes
+ * per FLOP than 128 × 128, which at 16384 tokens is bound by what the
+ * copies bring in (+8.5% on an H100 for Qwen1.5-MoE's layer), but slower
+ * at 2048 (-12%: more of its columns multiply in an expert's last,
+ * part-filled m-tile's wake). bf16/f16: the
  * wide tile in CTA pairs sharing the weight tile (H100: +6.7% for that
  * layer at 16384 tokens, +2.7% for DeepGEMM's 4 × 8192-row shape, but
  * -11% at 2048, where an expert's second m-tile is mostly padding; FP8's
@@ -1254,7 +1254,7 @@ tma_load_multicast (void *dst, const CUtensorMap *map, uint64_t *bar, int k, int
 
 /* an arrival on bar's twin in CTA rank of the cluster (the default
  * CTA-scope release: at cluster scope each arrival waited on a memory
- * barrier, a quarter of the consumers' time; what it orders, the reads of
+ * barrier, a quarter of all stall samples; what it orders, the reads of
  * the stage's wgmmas, is complete before it anyway) */
 __device__ __forceinline__ void
 mbar_arrive_cluster (uint64_t *bar, unsigned rank)

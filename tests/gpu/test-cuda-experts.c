@@ -496,15 +496,16 @@ test_random_fp8 (void)
   check_random_fp8 (16, 512, 384, 1000, 4, MOE_QUANT_FORMAT_FP8);
   check_random_fp8 (8, 264, 200, 700, 2, MOE_QUANT_FORMAT_FP8_UE8M0);
   /* ~140 rows an expert, I a multiple of 48 but not 64: the bulk-copy
-   * GEMM's tall FP8 tile (192 × 96), which route takes over a pair of
-   * wide ones there */
+   * GEMM's tall FP8 tile (192 × 96), which route takes over two wide ones
+   * there */
   check_random_fp8 (16, 256, 144, 600, 4, MOE_QUANT_FORMAT_FP8);
-  /* ~400 rows an expert, UE8M0: the wide tile (128 × 128, CTAs in pairs,
-   * odd m-tile counts padded) on the scales made floats */
+  /* ~400 rows an expert, UE8M0: the wide tile (128 × 128) on the scales
+   * made floats */
   check_random_fp8 (8, 256, 192, 1800, 2, MOE_QUANT_FORMAT_FP8_UE8M0);
-  /* ~560 rows an expert: the 128 × 192 tile in pairs, its 96-output
-   * halves across 128-row scale blocks, I not a multiple of 96 */
-  check_random_fp8 (4, 384, 320, 1400, 2, MOE_QUANT_FORMAT_FP8);
+  /* ~1,200 rows an expert: the 128 × 192 tile (route's choice over the
+   * tall one: at ~560 rows it took the tall), its 96-output halves across
+   * 128-row scale blocks, I not a multiple of 96 */
+  check_random_fp8 (4, 384, 320, 3000, 2, MOE_QUANT_FORMAT_FP8);
 }
 
 static void
