@@ -95,6 +95,19 @@ mma16816 (float c[4], const unsigned a[4], const unsigned b[2])
                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+/* c += a·b over one m16n8k32 step of e4m3 values, float accumulation
+ * (sm_89+; a no-op elsewhere, where callers never launch it) */
+__device__ __forceinline__ void
+mma_e4m3 (float c[4], const unsigned a[4], const unsigned b[2])
+{
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile ("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
 /* ---- programmatic dependent launch (sm_90+) ----------------------------
  *
  * A decode step is a chain of short kernels, each of which would otherwise
@@ -164,6 +177,24 @@ device_is_sm90 ()
         major = 0;
     }
   return major == 9;
+}
+
+/* Whether the current device's tensor cores take e4m3 (compute capability
+ * 8.9 or more); read once. */
+inline bool
+device_has_fp8_mma ()
+{
+  static int cc = -1;
+  if (cc < 0)
+    {
+      int dev = 0, major = 0, minor = 0;
+      cudaGetDevice (&dev);
+      if (cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+          cudaDeviceGetAttribute (&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+        major = minor = 0;
+      cc = 10 * major + minor;
+    }
+  return cc >= 89;
 }
 
 template <typename... Params, typename... Args>

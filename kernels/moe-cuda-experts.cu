@@ -1004,6 +1004,167 @@ rowwise_mma (MoeCudaExperts p, const T *src_rows, T *h, T *y)
     }
 }
 
+/* FP8 weights on the tensor cores for one row's outputs, the dynamic
+ * activation scheme made in the kernel: a block per (row, 16 outputs), rows
+ * fastest as in rowwise_mma; M = 2 for gate/up pairs (the gated experts
+ * FP8 checkpoints have). Warp w takes the
+ * 128-wide K blocks w, w + 8, …: it quantizes the row's group of each into
+ * shared memory (load_group_fp8, as quantize_fp8 does), then multiplies its
+ * 16 outputs' e4m3 weights by it with m16n8k32 products, the row as B's
+ * first column (the others zero), and adds each block's sum times the two
+ * scales. A product's k order is free, so lane (g, q) loads the 16 bytes at
+ * 16q and 64 + 16q of weight rows g and g + 8, and lanes 0-3 the row's
+ * bytes at the same places: A and B fragments for four k32 steps. Needs K a
+ * multiple of 16, 16-byte aligned weights, and ⌈K/128⌉ floats plus K bytes
+ * of shared memory. */
+template <typename T, int MODE, int M>
+__global__ void __launch_bounds__ (256, 2)
+rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
+{
+  constexpr int WARPS = 8, U = 4 / M;   /* K blocks whose loads go out together */
+  extern __shared__ uint4 rowwise_fp8_sm[];
+  __shared__ float red[WARPS][M][16];
+  const int pair = blockIdx.x, n0 = blockIdx.y * 16;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
+  const int n_out = MODE == MODE_DOWN ? p.hidden : p.inter;
+  const int nw = MODE == MODE_DOWN ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
+  const int blocks = (K + 127) / 128;
+  const T *src = MODE == MODE_DOWN ? src_rows + (size_t) pair * p.inter : src_rows + (size_t) (pair / p.top_k) * p.hidden;
+  unsigned char *xq = (unsigned char *) rowwise_fp8_sm;
+  float *xs = (float *) (xq + K);
+  const uint4 zero = make_uint4 (0, 0, 0, 0);
+  const uint4 *wrow[M][2];
+  int srow[M][2];
+  bool wok[2];
+  uint4 wv[U][M][2][2];
+  float wsc[U][M][2], acc[M][2] = {};
+
+  pdl_begin ();
+  const long long id = p.ids[pair];
+  if ((unsigned long long) id >= (unsigned long long) p.num_experts)
+    return;
+  const int e = (int) id;
+  const unsigned char *w = (const unsigned char *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) e * nw * K;
+#pragma unroll
+  for (int hf = 0; hf < 2; hf++)
+    {
+      const int n = n0 + g + 8 * hf;
+      int gr = n, ur = n;
+      wok[hf] = n < n_out;
+      if (MODE == MODE_GATE_UP)
+        gate_up_rows (p, wok[hf] ? n : n0, &gr, &ur);
+#pragma unroll
+      for (int m = 0; m < M; m++)
+        {
+          const int row = MODE == MODE_DOWN ? (wok[hf] ? n : n0) : (m == 0 ? gr : ur);
+          wrow[m][hf] = (const uint4 *) (w + (size_t) row * K) + q;
+          srow[m][hf] = fp8_scale_row<MODE> (p, e, row);
+        }
+    }
+
+  auto block_of = [&] (int j) { return warp + WARPS * j; };
+  auto piece_in = [&] (int kb, int half) { return kb * 128 + 64 * half + 16 * q < K; };
+  auto load_weights = [&] (int j0) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+      {
+        const int kb = block_of (j0 + u);
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+          for (int hf = 0; hf < 2; hf++)
+            {
+#pragma unroll
+              for (int half = 0; half < 2; half++)
+                wv[u][m][hf][half] = kb < blocks && wok[hf] && piece_in (kb, half)
+                                       ? __ldg (wrow[m][hf] + 8 * kb + 4 * half) : zero;
+              wsc[u][m][hf] = kb < blocks ? fp8_scale_at<MODE> (p, srow[m][hf] + kb) : 0.0f;
+            }
+      }
+  };
+
+  /* the weights go out first; meanwhile the warp quantizes its own groups */
+  load_weights (0);
+  for (int kb = warp; kb < blocks; kb += WARPS)
+    {
+      float v[4], s = load_group_fp8 (src, kb * 128, K, lane, v);
+      unsigned packed = 0;
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        packed |= (unsigned) __nv_cvt_float_to_fp8 (v[j] / s, __NV_SATFINITE, __NV_E4M3) << (8 * j);
+      if (kb * 128 + 4 * lane < K)
+        *(unsigned *) (xq + kb * 128 + 4 * lane) = packed;
+      if (lane == 0)
+        xs[kb] = s;
+    }
+  __syncwarp ();
+
+  for (int j0 = 0; block_of (j0) < blocks; j0 += U)
+    {
+      if (j0 > 0)
+        load_weights (j0);
+#pragma unroll
+      for (int u = 0; u < U; u++)
+        {
+          const int kb = block_of (j0 + u);
+          if (kb >= blocks)
+            break;
+          uint4 xv[2];
+#pragma unroll
+          for (int half = 0; half < 2; half++)
+            xv[half] = g == 0 && piece_in (kb, half) ? *(const uint4 *) (xq + kb * 128 + 64 * half + 16 * q) : zero;
+          const float sx = xs[kb];
+#pragma unroll
+          for (int m = 0; m < M; m++)
+            {
+              float c[4] = {};
+#pragma unroll
+              for (int half = 0; half < 2; half++)
+                {
+                  const uint4 &lo = wv[u][m][0][half], &hi = wv[u][m][1][half], &xx = xv[half];
+                  const unsigned a0[4] = { lo.x, hi.x, lo.y, hi.y }, b0[2] = { xx.x, xx.y };
+                  const unsigned a1[4] = { lo.z, hi.z, lo.w, hi.w }, b1[2] = { xx.z, xx.w };
+                  mma_e4m3 (c, a0, b0);
+                  mma_e4m3 (c, a1, b1);
+                }
+              /* column 0 (lanes q = 0): rows g and g + 8 */
+              acc[m][0] += c[0] * wsc[u][m][0] * sx;
+              acc[m][1] += c[2] * wsc[u][m][1] * sx;
+            }
+        }
+    }
+
+  if (q == 0)
+#pragma unroll
+    for (int m = 0; m < M; m++)
+      {
+        red[warp][m][g] = acc[m][0];
+        red[warp][m][g + 8] = acc[m][1];
+      }
+  __syncthreads ();
+  const int o = threadIdx.x, n = n0 + o;
+  if (o >= 16 || n >= n_out)
+    return;
+  float s[M];
+#pragma unroll
+  for (int m = 0; m < M; m++)
+    {
+      s[m] = 0.0f;
+#pragma unroll
+      for (int wi = 0; wi < WARPS; wi++)
+        s[m] += red[wi][m][o];
+    }
+  if (MODE == MODE_DOWN)
+    y[(size_t) pair * p.hidden + n] = from_f<T> (down_finish<T> (p, e, n, s[0]));
+  else
+    {
+      int gr = n, ur = n;
+      gate_up_rows (p, n, &gr, &ur);
+      h[(size_t) pair * p.inter + n] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, s[0], s[M - 1]));
+    }
+}
+
 template <typename T, int WF>
 const char *
 run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
@@ -1027,6 +1188,17 @@ run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
         else
           launch_overlapped (rowwise_mma<T, MODE_GATE_UP, 1>, mma_gu, 256, 0, s, p, (const T *) p.x, (T *) w.h, (T *) w.y);
         launch_overlapped (rowwise_mma<T, MODE_DOWN, 1>, mma_dn, 256, 0, s, p, (const T *) w.h, (T *) w.h, (T *) w.y);
+        return launch_combine<T> (p, w, s);
+      }
+  /* FP8 on the tensor cores: the row in e4m3 and its group scales in shared memory */
+  const size_t q_gu = p.hidden + 4 * ((p.hidden + 127) / 128), q_dn = p.inter + 4 * ((p.inter + 127) / 128);
+  if constexpr (WF == MOE_CUDA_WEIGHTS_FP8)
+    if (!p.transposed && p.has_gate && p.hidden % 16 == 0 && p.inter % 16 == 0 && device_has_fp8_mma () &&
+        (((uintptr_t) p.up | (uintptr_t) p.down) % 16) == 0 && q_gu <= 48 * 1024 && q_dn <= 48 * 1024)
+      {
+        dim3 mma_gu (S, (p.inter + 15) / 16), mma_dn (S, (p.hidden + 15) / 16);
+        launch_overlapped (rowwise_fp8<T, MODE_GATE_UP, 2>, mma_gu, 256, q_gu, s, p, (const T *) p.x, (T *) w.h, (T *) w.y);
+        launch_overlapped (rowwise_fp8<T, MODE_DOWN, 1>, mma_dn, 256, q_dn, s, p, (const T *) w.h, (T *) w.h, (T *) w.y);
         return launch_combine<T> (p, w, s);
       }
   if (smem_gu > 200 * 1024 || smem_dn > 200 * 1024)
