@@ -419,6 +419,23 @@ elem_size (int dtype)
   return dtype == MOE_CUDA_F32 ? 4 : 2;
 }
 
+/* FP8 batched_mm on the tensor cores (rowwise_fp8): gated K-major weights,
+ * H and I multiples of 16, 16-byte aligned, a row's e4m3 copy and scales
+ * within 48 KB of shared memory, a GPU whose tensor cores take e4m3 */
+size_t
+fp8_row_smem (int K)
+{
+  return (size_t) K + 4 * (size_t) ((K + 127) / 128);
+}
+
+bool
+fp8_rowwise_mma (const MoeCudaExperts &p)
+{
+  return p.weight_format == MOE_CUDA_WEIGHTS_FP8 && !p.transposed && p.has_gate && p.hidden % 16 == 0 &&
+         p.inter % 16 == 0 && (((uintptr_t) p.up | (uintptr_t) p.down) % 16) == 0 &&
+         fp8_row_smem (p.hidden) <= 48 * 1024 && fp8_row_smem (p.inter) <= 48 * 1024 && device_has_fp8_mma ();
+}
+
 /* How the grouped schedules (grouped, deepgemm, fused) run their GEMMs:
  * bulk tensor copies + warp-specialized wgmma where rows are 16-byte
  * aligned, cp.async + wgmma where they are only 8-byte aligned (both on
@@ -501,7 +518,7 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
           w->down_scale = (float *) take (down_n * sizeof (float));
         }
     }
-  else if (p->weight_format != MOE_CUDA_WEIGHTS_PLAIN)
+  else if (p->weight_format != MOE_CUDA_WEIGHTS_PLAIN && !(schedule == MOE_CUDA_PER_ROW && fp8_rowwise_mma (*p)))
     {
       w->xq = (float *) take ((size_t) p->tokens * p->hidden * sizeof (float));
       w->hq = (float *) take (S * p->inter * sizeof (float));
@@ -1190,15 +1207,14 @@ run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
         launch_overlapped (rowwise_mma<T, MODE_DOWN, 1>, mma_dn, 256, 0, s, p, (const T *) w.h, (T *) w.h, (T *) w.y);
         return launch_combine<T> (p, w, s);
       }
-  /* FP8 on the tensor cores: the row in e4m3 and its group scales in shared memory */
-  const size_t q_gu = p.hidden + 4 * ((p.hidden + 127) / 128), q_dn = p.inter + 4 * ((p.inter + 127) / 128);
   if constexpr (WF == MOE_CUDA_WEIGHTS_FP8)
-    if (!p.transposed && p.has_gate && p.hidden % 16 == 0 && p.inter % 16 == 0 && device_has_fp8_mma () &&
-        (((uintptr_t) p.up | (uintptr_t) p.down) % 16) == 0 && q_gu <= 48 * 1024 && q_dn <= 48 * 1024)
+    if (fp8_rowwise_mma (p))
       {
         dim3 mma_gu (S, (p.inter + 15) / 16), mma_dn (S, (p.hidden + 15) / 16);
-        launch_overlapped (rowwise_fp8<T, MODE_GATE_UP, 2>, mma_gu, 256, q_gu, s, p, (const T *) p.x, (T *) w.h, (T *) w.y);
-        launch_overlapped (rowwise_fp8<T, MODE_DOWN, 1>, mma_dn, 256, q_dn, s, p, (const T *) w.h, (T *) w.h, (T *) w.y);
+        launch_overlapped (rowwise_fp8<T, MODE_GATE_UP, 2>, mma_gu, 256, fp8_row_smem (p.hidden), s, p, (const T *) p.x,
+                           (T *) w.h, (T *) w.y);
+        launch_overlapped (rowwise_fp8<T, MODE_DOWN, 1>, mma_dn, 256, fp8_row_smem (p.inter), s, p, (const T *) w.h,
+                           (T *) w.h, (T *) w.y);
         return launch_combine<T> (p, w, s);
       }
   if (smem_gu > 200 * 1024 || smem_dn > 200 * 1024)
