@@ -152,8 +152,8 @@ constexpr int NORM_PER_THREAD = 8;
 
 template <typename T, int V>
 __global__ void
-rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int in_stride, const float *w,
-                 float eps, int weight_last, T *y, int out_stride)
+rms_norm_kernel (T *x, const T *h_add, const T *h_add2, int n, int groups, int group_stride, int in_stride,
+                 const float *w, float eps, int weight_last, T *y, int out_stride)
 {
   constexpr int NK = NORM_PER_THREAD / V;   /* pieces of V values a thread holds */
   pdl_release ();
@@ -161,6 +161,7 @@ rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int 
   T *xr = x + r * in_stride + g * group_stride;
   T *yr = y + r * out_stride + g * group_stride;
   const T *ar = h_add != nullptr ? h_add + r * in_stride + g * group_stride : nullptr;
+  const T *ar2 = h_add2 != nullptr ? h_add2 + r * in_stride + g * group_stride : nullptr;
   float v[NK][V], wv[NK][V], ss = 0;
   T e[V];
   auto at = [] (int k) { return (int) (threadIdx.x + k * blockDim.x) * V; };   /* piece k's first index */
@@ -172,10 +173,21 @@ rms_norm_kernel (T *x, const T *h_add, int n, int groups, int group_stride, int 
       h[u] = to_f (e[u]);
     if (ar != nullptr)
       {
+        float a[V];
         load_vec<T, V> (e, ar + i);
 #pragma unroll
         for (int u = 0; u < V; u++)
-          h[u] = rnd<T> (h[u] + to_f (e[u]));
+          a[u] = to_f (e[u]);
+        if (ar2 != nullptr)
+          {
+            load_vec<T, V> (e, ar2 + i);
+#pragma unroll
+            for (int u = 0; u < V; u++)
+              a[u] = rnd<T> (a[u] + to_f (e[u]));
+          }
+#pragma unroll
+        for (int u = 0; u < V; u++)
+          h[u] = rnd<T> (h[u] + a[u]);
       }
   };
   auto store = [&] (T *dst, const float (&h)[V]) {
@@ -1029,8 +1041,8 @@ warp_dot (const T *w, const T *x, int ldx, int in, bool vec, float *acc)
 /* The few-row projections' epilogues, on output n of row r (acc: x·wᵀ, or
  * the gate's with GEMV_GATED, whose up is @up): GEMV_PLAIN y = x·wᵀ + b;
  * GEMV_GATED (w is [gate; up], 2·out rows) y = act(gate) · up, each rounded
- * as torch; GEMV_ADD y += (sigmoid(gate) ·) x·wᵀ, a shared expert added to
- * the routed experts' output. */
+ * as torch; GEMV_ADD y (+)= (sigmoid(gate) ·) x·wᵀ, a shared expert added
+ * to the routed experts' output, or made apart (without @add). */
 enum { GEMV_PLAIN, GEMV_GATED, GEMV_ADD };
 
 template <typename T, int EPI>
@@ -1051,7 +1063,7 @@ gemv_store (const MoeCudaGemv &a, int r, int n, float acc, float up)
       float v = rnd<T> (acc);
       if (a.gate != nullptr)
         v = rnd<T> (rnd<T> (1.0f / (1.0f + expf (-to_f (((const T *) a.gate)[(size_t) r * a.gate_stride])))) * v);
-      ((T *) a.y)[o] = from_f<T> (to_f (((T *) a.y)[o]) + v);
+      ((T *) a.y)[o] = from_f<T> ((a.add ? to_f (((T *) a.y)[o]) : 0.0f) + v);
     }
   else
     {
@@ -1221,17 +1233,18 @@ moe_cuda_embed (int dtype, const void *table, const int64_t *ids, int rows, int 
 }
 
 extern "C" void
-moe_cuda_rms_norm (int dtype, void *x, const void *h_add, int rows, int n, int groups, int group_stride,
-                   int in_stride, const float *weight, float eps, int weight_last, void *y, int out_stride,
-                   cudaStream_t s)
+moe_cuda_rms_norm (int dtype, void *x, const void *h_add, const void *h_add2, int rows, int n, int groups,
+                   int group_stride, int in_stride, const float *weight, float eps, int weight_last, void *y,
+                   int out_stride, cudaStream_t s)
 {
   /* enough threads that each holds at most NORM_PER_THREAD values */
   int threads = 128;
   while (threads < 1024 && threads * NORM_PER_THREAD < n)
     threads *= 2;
-  DISPATCH (dtype, LAUNCH_VEC (fits_vec<T> ({ n, group_stride, in_stride, out_stride }, { x, h_add, y }),
-                               rms_norm_kernel, rows * groups, threads, s, (T *) x, (const T *) h_add, n, groups,
-                               group_stride, in_stride, weight, eps, weight_last, (T *) y, out_stride));
+  DISPATCH (dtype, LAUNCH_VEC (fits_vec<T> ({ n, group_stride, in_stride, out_stride }, { x, h_add, h_add2, y }),
+                               rms_norm_kernel, rows * groups, threads, s, (T *) x, (const T *) h_add,
+                               (const T *) h_add2, n, groups, group_stride, in_stride, weight, eps, weight_last,
+                               (T *) y, out_stride));
 }
 
 extern "C" void
@@ -1418,7 +1431,7 @@ moe_cuda_gemv (const MoeCudaGemv *a, cudaStream_t s)
   DISPATCH (a->dtype,
             if (a->gated)
               launch_gemv_rows<T, GEMV_GATED> (a, s);
-            else if (a->add)
+            else if (a->add || a->gate != nullptr)
               launch_gemv_rows<T, GEMV_ADD> (a, s);
             else
               launch_gemv_rows<T, GEMV_PLAIN> (a, s));

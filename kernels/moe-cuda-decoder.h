@@ -28,9 +28,11 @@ void moe_cuda_embed          (int dtype, const void *table, const int64_t *ids, 
 /* RMSNorm of @rows rows, each @groups vectors of width @n @group_stride
  * apart (per-head norms; 1 and 0 for whole rows), rows @in_stride and
  * @out_stride elements apart; with @h_add, x = h + h_add first (rounded,
- * written back to x): the residual add fused with the next norm.
+ * written back to x): the residual add fused with the next norm; with
+ * @h_add2 too (laid out as @h_add), x = h + (h_add + h_add2), each sum
+ * rounded: a shared expert's output made beside the routed experts'.
  * @weight_last: GPT-OSS's (w · x).to(dtype) instead of w · x.to(dtype). */
-void moe_cuda_rms_norm       (int dtype, void *x, const void *h_add, int rows, int n, int groups,
+void moe_cuda_rms_norm       (int dtype, void *x, const void *h_add, const void *h_add2, int rows, int n, int groups,
                               int group_stride, int in_stride, const float *weight, float eps, int weight_last,
                               void *y, int out_stride, cudaStream_t stream);
 
@@ -205,7 +207,7 @@ typedef struct {
   int gated;              /* y = act(x·gateᵀ + b) · (x·upᵀ + b), each rounded */
   int activation;
   int add;                /* y += x·wᵀ, or y += sigmoid(gate[r]) · x·wᵀ */
-  const void *gate;       /* with @add: [rows] @gate_stride apart, or NULL */
+  const void *gate;       /* [rows] @gate_stride apart, or NULL: y (+)= sigmoid(gate[r]) · x·wᵀ, no bias */
   int gate_stride;
 } MoeCudaGemv;
 

@@ -521,11 +521,12 @@ linear (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, GErro
 }
 
 static void
-norm_groups (Decoder *d, MoeTensor *x, gsize offset, MoeTensor *h_add, int rows, int n, int groups,
-             int group_stride, int in_stride, MoeTensor *w, MoeTensor *y, gsize y_offset, int out_stride)
+norm_groups (Decoder *d, MoeTensor *x, gsize offset, MoeTensor *h_add, MoeTensor *h_add2, int rows, int n,
+             int groups, int group_stride, int in_stride, MoeTensor *w, MoeTensor *y, gsize y_offset, int out_stride)
 {
   moe_cuda_rms_norm (d->dtype, (char *) DATA (x) + offset * d->elem,
-                     h_add ? (char *) DATA (h_add) + offset * d->elem : NULL, rows, n, groups, group_stride,
+                     h_add ? (char *) DATA (h_add) + offset * d->elem : NULL,
+                     h_add2 ? (char *) DATA (h_add2) + offset * d->elem : NULL, rows, n, groups, group_stride,
                      in_stride, DATA (w), d->m->eps, d->m->family == FAMILY_GPT_OSS, (char *) DATA (y) + y_offset * d->elem,
                      out_stride, d->dev->stream);
 }
@@ -534,7 +535,7 @@ static void
 norm (Decoder *d, MoeTensor *x, gsize offset, MoeTensor *h_add, int rows, int n, int in_stride,
       MoeTensor *w, MoeTensor *y, gsize y_offset, int out_stride)
 {
-  norm_groups (d, x, offset, h_add, rows, n, 1, 0, in_stride, w, y, y_offset, out_stride);
+  norm_groups (d, x, offset, h_add, NULL, rows, n, 1, 0, in_stride, w, y, y_offset, out_stride);
 }
 
 typedef struct {
@@ -865,8 +866,8 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
     }
   else if (m->qk_norm == QK_NORM_PER_HEAD)
     {
-      norm_groups (d, qkv, 0, NULL, rows, hd, m->heads, hd, n, L->q_norm, qkv, 0, n);
-      norm_groups (d, qkv, qn, NULL, rows, hd, m->kv_heads, hd, n, L->k_norm, qkv, qn, n);
+      norm_groups (d, qkv, 0, NULL, NULL, rows, hd, m->heads, hd, n, L->q_norm, qkv, 0, n);
+      norm_groups (d, qkv, qn, NULL, NULL, rows, hd, m->kv_heads, hd, n, L->k_norm, qkv, qn, n);
     }
   if (m->clip_qkv > 0)
     moe_cuda_clamp (d->dtype, DATA (qkv), (gsize) rows * n, m->clip_qkv, stream);
@@ -957,7 +958,8 @@ gemv_gate_up (Decoder *d, cudaStream_t stream, const DevLayer *L, MoeTensor *x, 
 /* … then down(h) into a new tensor, or added to @into (the routed
  * experts' output; times sigmoid(@gate) where the model gates it) */
 static MoeTensor *
-gemv_down (Decoder *d, const DevLayer *L, MoeTensor *h, int rows, MoeTensor *into, MoeTensor *gate, GError **error)
+gemv_down (Decoder *d, cudaStream_t stream, const DevLayer *L, MoeTensor *h, int rows, MoeTensor *into,
+           MoeTensor *gate, GError **error)
 {
   int inter = L->gate_up.out / 2, H = d->m->hidden;
   g_autoptr(MoeTensor) y = into ? g_object_ref (into) : new_act (d, rows, H, error);
@@ -968,7 +970,7 @@ gemv_down (Decoder *d, const DevLayer *L, MoeTensor *h, int rows, MoeTensor *int
     .dtype = d->dtype, .w = DATA (L->down.weight), .out = H, .in = inter, .rows = rows,
     .x = DATA (h), .ldx = inter, .y = DATA (y), .add = into != NULL, .gate = OPT (gate), .gate_stride = 1,
   };
-  moe_cuda_gemv (&down, d->dev->stream);
+  moe_cuda_gemv (&down, stream);
   return g_steal_pointer (&y);
 }
 
@@ -984,7 +986,7 @@ mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, Moe
   if (rows <= d->gemv_rows)
     {
       g_autoptr(MoeTensor) h = gemv_gate_up (d, stream, L, x, rows, error);
-      return h ? gemv_down (d, L, h, rows, into, gate, error) : NULL;
+      return h ? gemv_down (d, stream, L, h, rows, into, gate, error) : NULL;
     }
   {
     g_autoptr(MoeTensor) gu = linear (d, &L->gate_up, x, H, rows, error);
@@ -1015,8 +1017,12 @@ mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, Moe
   }
 }
 
+/* The routed experts' output; with a shared expert made on the side stream
+ * (a few rows), the shared expert's apart in @shared_out, for the residual
+ * add to sum (its down GEMV then runs beside the routed experts, not after
+ * them); else added to the routed output. */
 static MoeTensor *
-moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **error)
+moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, MoeTensor **shared_out, GError **error)
 {
   const MoeTransformer *m = d->m;
   const DevLayer *L = &d->layer[li];
@@ -1031,12 +1037,11 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **err
   };
 
   cudaStream_t stream = d->dev->stream;
-  /* a few rows: the shared expert's gate and up GEMVs (reading the same x)
-   * on the side stream, beside the router and the routed experts, whose
-   * output its down GEMV then adds to (one GEMV alone leaves the memory
-   * part idle: too few bytes in flight) */
+  /* a few rows: the shared expert (reading the same x) on the side stream,
+   * beside the router and the routed experts (one GEMV alone leaves the
+   * memory part idle: too few bytes in flight) */
   const gboolean side = m->has_shared && d->side != NULL && rows <= d->gemv_rows;
-  g_autoptr(MoeTensor) gate = NULL, h = NULL;
+  g_autoptr(MoeTensor) gate = NULL, h = NULL, shared = NULL;
 
   if (w == NULL)
     return NULL;
@@ -1044,8 +1049,9 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **err
     {
       cudaEventRecord (d->fork, stream);
       cudaStreamWaitEvent (d->side, d->fork, 0);
-      if (!m->shared_gated || (gate = project_on (d, d->side, &L->shared_gate, x, m->hidden, rows, FALSE, error)))
-        h = gemv_gate_up (d, d->side, L, x, rows, error);
+      if ((!m->shared_gated || (gate = project_on (d, d->side, &L->shared_gate, x, m->hidden, rows, FALSE, error))) &&
+          (h = gemv_gate_up (d, d->side, L, x, rows, error)))
+        shared = gemv_down (d, d->side, L, h, rows, NULL, gate, error);
       /* joined on every path: a capture must not end with a fork open */
       cudaEventRecord (d->join, d->side);
     }
@@ -1056,7 +1062,7 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **err
       r.x = DATA (x);
       r.hidden = r.ldx = m->hidden;
     }
-  if ((!side || h != NULL) && (r.w != NULL || (logits = project (d, &L->router, x, m->hidden, rows, TRUE, error)) != NULL))
+  if ((!side || shared != NULL) && (r.w != NULL || (logits = project (d, &L->router, x, m->hidden, rows, TRUE, error)) != NULL))
     {
       r.logits = OPT (logits);
       r.bias = OPT (L->router_bias);
@@ -1075,10 +1081,15 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, GError **err
     cudaStreamWaitEvent (stream, d->join, 0);
   if (y == NULL || !m->has_shared)
     return g_steal_pointer (&y);
-  if (!side && m->shared_gated && (gate = linear (d, &L->shared_gate, x, m->hidden, rows, error)) == NULL)
+  if (side)
+    {
+      *shared_out = g_steal_pointer (&shared);
+      return g_steal_pointer (&y);
+    }
+  if (m->shared_gated && (gate = linear (d, &L->shared_gate, x, m->hidden, rows, error)) == NULL)
     return NULL;
   {
-    g_autoptr(MoeTensor) sum = side ? gemv_down (d, L, h, rows, y, gate, error) : mlp (d, L, x, rows, y, gate, error);
+    g_autoptr(MoeTensor) sum = mlp (d, L, x, rows, y, gate, error);
     if (sum == NULL)
       return NULL;
   }
@@ -1094,7 +1105,7 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
   const MoeDecoderStep *st = s->st;
   Trace *tr = s->trace;
   int rows = s->rows, H = m->hidden, out_rows = st->last_only ? (int) st->batch : rows;
-  g_autoptr(MoeTensor) h = NULL, x = NULL, y = NULL, xf = NULL, logits = NULL;
+  g_autoptr(MoeTensor) h = NULL, x = NULL, y = NULL, y_shared = NULL, xf = NULL, logits = NULL;
 
   if ((h = new_act (d, rows, H, error)) == NULL || (x = new_act (d, rows, H, error)) == NULL)
     return FALSE;
@@ -1107,14 +1118,16 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
       g_autoptr(MoeTensor) a = NULL;
 
       /* the previous layer's residual add, fused with this norm */
-      norm (d, h, 0, y, rows, H, H, L->input_norm, x, 0, H);
+      norm_groups (d, h, 0, y, y_shared, rows, H, 1, 0, H, L->input_norm, x, 0, H);
+      g_clear_object (&y_shared);
       a = m->family == FAMILY_DEEPSEEK_V3 ? attention_mla (d, s, li, x, error) : attention_gqa (d, s, li, x, error);
       if (a == NULL)
         return FALSE;
       norm (d, h, 0, a, rows, H, H, L->post_norm, x, 0, H);
       trace_mark (tr, d->dev->stream, PART_O);
       g_clear_object (&y);
-      y = m->layer[li].is_moe ? moe_block (d, li, x, rows, tr, error) : mlp (d, L, x, rows, NULL, NULL, error);
+      y = m->layer[li].is_moe ? moe_block (d, li, x, rows, tr, &y_shared, error)
+                              : mlp (d, L, x, rows, NULL, NULL, error);
       if (y == NULL)
         return FALSE;
       trace_mark (tr, d->dev->stream, PART_SHARED);
@@ -1124,9 +1137,10 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
   if ((xf = new_act (d, out_rows, H, error)) == NULL)
     return FALSE;
   if (st->last_only)
-    norm (d, h, (gsize) (st->n_tokens - 1) * H, y, st->batch, H, st->n_tokens * H, d->final_norm, xf, 0, H);
+    norm_groups (d, h, (gsize) (st->n_tokens - 1) * H, y, y_shared, st->batch, H, 1, 0, st->n_tokens * H,
+                 d->final_norm, xf, 0, H);
   else
-    norm (d, h, 0, y, rows, H, H, d->final_norm, xf, 0, H);
+    norm_groups (d, h, 0, y, y_shared, rows, H, 1, 0, H, d->final_norm, xf, 0, H);
   {
     DevLinear head = { d->lm_head, NULL, m->vocab, H };
     logits = linear (d, &head, xf, H, out_rows, error);
