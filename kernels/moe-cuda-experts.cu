@@ -1024,7 +1024,8 @@ rowwise_mma (MoeCudaExperts p, const T *src_rows, T *h, T *y)
 /* FP8 weights on the tensor cores for one row's outputs, the dynamic
  * activation scheme made in the kernel: a block per (row, 16 outputs), rows
  * fastest as in rowwise_mma; M = 2 for gate/up pairs (the gated experts
- * FP8 checkpoints have). Warp w takes the
+ * FP8 checkpoints have); down: M groups of 16 outputs a block (fewer,
+ * longer blocks). Warp w takes the
  * 128-wide K blocks w, w + 8, …: it quantizes the row's group of each into
  * shared memory (load_group_fp8, as quantize_fp8 does), then multiplies its
  * 16 outputs' e4m3 weights by it with m16n8k32 products, the row as B's
@@ -1041,7 +1042,9 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
   constexpr int WARPS = 8, U = 4 / M;   /* K blocks whose loads go out together */
   extern __shared__ uint4 rowwise_fp8_sm[];
   __shared__ float red[WARPS][M][16];
-  const int pair = blockIdx.x, n0 = blockIdx.y * 16;
+  /* down: M groups of 16 outputs a block */
+  constexpr int OUTS = MODE == MODE_DOWN ? 16 * M : 16;
+  const int pair = blockIdx.x, n0 = blockIdx.y * OUTS;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int K = MODE == MODE_DOWN ? p.inter : p.hidden;
   const int n_out = MODE == MODE_DOWN ? p.hidden : p.inter;
@@ -1053,7 +1056,7 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
   const uint4 zero = make_uint4 (0, 0, 0, 0);
   const uint4 *wrow[M][2];
   int srow[M][2];
-  bool wok[2];
+  bool wok[M][2];
   uint4 wv[U][M][2][2];
   float wsc[U][M][2], acc[M][2] = {};
 
@@ -1065,20 +1068,18 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
   const unsigned char *w = (const unsigned char *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) e * nw * K;
 #pragma unroll
   for (int hf = 0; hf < 2; hf++)
-    {
-      const int n = n0 + g + 8 * hf;
-      int gr = n, ur = n;
-      wok[hf] = n < n_out;
-      if (MODE == MODE_GATE_UP)
-        gate_up_rows (p, wok[hf] ? n : n0, &gr, &ur);
 #pragma unroll
-      for (int m = 0; m < M; m++)
-        {
-          const int row = MODE == MODE_DOWN ? (wok[hf] ? n : n0) : (m == 0 ? gr : ur);
-          wrow[m][hf] = (const uint4 *) (w + (size_t) row * K) + q;
-          srow[m][hf] = fp8_scale_row<MODE> (p, e, row);
-        }
-    }
+    for (int m = 0; m < M; m++)
+      {
+        const int n = n0 + (MODE == MODE_DOWN ? 16 * m : 0) + g + 8 * hf;
+        int gr = n, ur = n;
+        wok[m][hf] = n < n_out;
+        if (MODE == MODE_GATE_UP)
+          gate_up_rows (p, wok[m][hf] ? n : n0, &gr, &ur);
+        const int row = MODE == MODE_DOWN ? (wok[m][hf] ? n : n0) : (m == 0 ? gr : ur);
+        wrow[m][hf] = (const uint4 *) (w + (size_t) row * K) + q;
+        srow[m][hf] = fp8_scale_row<MODE> (p, e, row);
+      }
 
   auto block_of = [&] (int j) { return warp + WARPS * j; };
   auto piece_in = [&] (int kb, int half) { return kb * 128 + 64 * half + 16 * q < K; };
@@ -1094,7 +1095,7 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
             {
 #pragma unroll
               for (int half = 0; half < 2; half++)
-                wv[u][m][hf][half] = kb < blocks && wok[hf] && piece_in (kb, half)
+                wv[u][m][hf][half] = kb < blocks && wok[m][hf] && piece_in (kb, half)
                                        ? __ldg (wrow[m][hf] + 8 * kb + 4 * half) : zero;
               wsc[u][m][hf] = kb < blocks ? fp8_scale_at<MODE> (p, srow[m][hf] + kb) : 0.0f;
             }
@@ -1161,8 +1162,17 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
       }
   __syncthreads ();
   const int o = threadIdx.x, n = n0 + o;
-  if (o >= 16 || n >= n_out)
+  if (o >= OUTS || n >= n_out)
     return;
+  if (MODE == MODE_DOWN)
+    {
+      float sum = 0.0f;
+#pragma unroll
+      for (int wi = 0; wi < WARPS; wi++)
+        sum += red[wi][o / 16][o % 16];
+      y[(size_t) pair * p.hidden + n] = from_f<T> (down_finish<T> (p, e, n, sum));
+      return;
+    }
   float s[M];
 #pragma unroll
   for (int m = 0; m < M; m++)
@@ -1172,14 +1182,9 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
       for (int wi = 0; wi < WARPS; wi++)
         s[m] += red[wi][m][o];
     }
-  if (MODE == MODE_DOWN)
-    y[(size_t) pair * p.hidden + n] = from_f<T> (down_finish<T> (p, e, n, s[0]));
-  else
-    {
-      int gr = n, ur = n;
-      gate_up_rows (p, n, &gr, &ur);
-      h[(size_t) pair * p.inter + n] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, s[0], s[M - 1]));
-    }
+  int gr = n, ur = n;
+  gate_up_rows (p, n, &gr, &ur);
+  h[(size_t) pair * p.inter + n] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, s[0], s[M - 1]));
 }
 
 template <typename T, int WF>
@@ -1210,10 +1215,10 @@ run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   if constexpr (WF == MOE_CUDA_WEIGHTS_FP8)
     if (fp8_rowwise_mma (p))
       {
-        dim3 mma_gu (S, (p.inter + 15) / 16), mma_dn (S, (p.hidden + 15) / 16);
+        dim3 mma_gu (S, (p.inter + 15) / 16), mma_dn (S, (p.hidden + 31) / 32);
         launch_overlapped (rowwise_fp8<T, MODE_GATE_UP, 2>, mma_gu, 256, fp8_row_smem (p.hidden), s, p, (const T *) p.x,
                            (T *) w.h, (T *) w.y);
-        launch_overlapped (rowwise_fp8<T, MODE_DOWN, 1>, mma_dn, 256, fp8_row_smem (p.inter), s, p, (const T *) w.h,
+        launch_overlapped (rowwise_fp8<T, MODE_DOWN, 2>, mma_dn, 256, fp8_row_smem (p.inter), s, p, (const T *) w.h,
                            (T *) w.h, (T *) w.y);
         return launch_combine<T> (p, w, s);
       }
