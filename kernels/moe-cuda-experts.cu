@@ -983,8 +983,9 @@ run_grouped (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
  * (moe-cuda-gemv.cuh) on each row's expert, a block per (row, 16 outputs),
  * rows fastest: rows that share an expert read its weights about together,
  * from L2 the second time (16 outputs fastest read them again from memory:
- * 10-17% slower at 8 tokens); M = 2 for gate/up pairs. Nothing is loaded
- * before the wait: the expert comes from the router's ids. */
+ * 10-17% slower at 8 tokens); M = 2 for gate/up pairs, and for down's
+ * outputs n and n + 16 of 32 a block (H a multiple of 32). Nothing is
+ * loaded before the wait: the expert comes from the router's ids. */
 template <typename T, int MODE, int M>
 __global__ void __launch_bounds__ (256)
 rowwise_mma (MoeCudaExperts p, const T *src_rows, T *h, T *y)
@@ -1005,14 +1006,18 @@ rowwise_mma (MoeCudaExperts p, const T *src_rows, T *h, T *y)
   const T *w = (const T *) (MODE == MODE_DOWN ? p.down : p.up) + (size_t) e * nw * K;
   auto weight_row = [&] (int m, int o) {
     int gr = o, ur = o;
-    if (MODE == MODE_GATE_UP)
-      gate_up_rows (p, o, &gr, &ur);
+    if (MODE == MODE_DOWN)
+      return w + (size_t) (o + 16 * m) * K;
+    gate_up_rows (p, o, &gr, &ur);
     return w + (size_t) (m == 0 ? gr : ur) * K;
   };
-  if (!gemv_mma_sums<T, 1, M> (weight_row, blockIdx.y * 16, n_out, K, src, K, 1, false, s, &n, &r))
+  const int n0 = blockIdx.y * (MODE == MODE_DOWN ? 16 * M : 16);
+  if (!gemv_mma_sums<T, 1, M> (weight_row, n0, n_out, K, src, K, 1, false, s, &n, &r))
     return;
   if (MODE == MODE_DOWN)
-    y[(size_t) pair * p.hidden + n] = from_f<T> (down_finish<T> (p, e, n, s[0]));
+#pragma unroll
+    for (int m = 0; m < M; m++)
+      y[(size_t) pair * p.hidden + n + 16 * m] = from_f<T> (down_finish<T> (p, e, n + 16 * m, s[m]));
   else
     {
       int gr = n, ur = n;
@@ -1204,12 +1209,16 @@ run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
     if (!p.transposed && p.hidden % 8 == 0 && p.inter % 8 == 0 &&
         (((uintptr_t) p.up | (uintptr_t) p.down | (uintptr_t) p.x | (uintptr_t) w.h) % 16) == 0)
       {
-        dim3 mma_gu (S, (p.inter + 15) / 16), mma_dn (S, (p.hidden + 15) / 16);
+        const bool down32 = p.hidden % 32 == 0;
+        dim3 mma_gu (S, (p.inter + 15) / 16), mma_dn (S, (p.hidden + 15) / (down32 ? 32 : 16));
         if (p.has_gate)
           launch_overlapped (rowwise_mma<T, MODE_GATE_UP, 2>, mma_gu, 256, 0, s, p, (const T *) p.x, (T *) w.h, (T *) w.y);
         else
           launch_overlapped (rowwise_mma<T, MODE_GATE_UP, 1>, mma_gu, 256, 0, s, p, (const T *) p.x, (T *) w.h, (T *) w.y);
-        launch_overlapped (rowwise_mma<T, MODE_DOWN, 1>, mma_dn, 256, 0, s, p, (const T *) w.h, (T *) w.h, (T *) w.y);
+        if (down32)
+          launch_overlapped (rowwise_mma<T, MODE_DOWN, 2>, mma_dn, 256, 0, s, p, (const T *) w.h, (T *) w.h, (T *) w.y);
+        else
+          launch_overlapped (rowwise_mma<T, MODE_DOWN, 1>, mma_dn, 256, 0, s, p, (const T *) w.h, (T *) w.h, (T *) w.y);
         return launch_combine<T> (p, w, s);
       }
   if constexpr (WF == MOE_CUDA_WEIGHTS_FP8)
