@@ -143,6 +143,24 @@ pdl_begin ()
 }
 
 #ifndef MOE_JIT
+/* The current device's compute capability as 10·major + minor (0 where it
+ * cannot be read); read once. */
+inline int
+device_cc ()
+{
+  static int cc = -1;
+  if (cc < 0)
+    {
+      int dev = 0, major = 0, minor = 0;
+      if (cudaGetDevice (&dev) != cudaSuccess ||
+          cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+          cudaDeviceGetAttribute (&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+        major = minor = 0;
+      cc = 10 * major + minor;
+    }
+  return cc;
+}
+
 /* on a GPU of compute capability 9.0 or more, unless MOE_CUDA_PDL=0 */
 inline bool
 pdl_enabled ()
@@ -150,51 +168,26 @@ pdl_enabled ()
   static int on = -1;
   if (on < 0)
     {
-      int dev = 0, major = 0;
       const char *env = getenv ("MOE_CUDA_PDL");
-      cudaGetDevice (&dev);
-      cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev);
-      on = major >= 9 && (env == nullptr || strcmp (env, "0") != 0);
+      on = device_cc () >= 90 && (env == nullptr || strcmp (env, "0") != 0);
     }
   return on;
 }
 
 /* Whether the current device is a Hopper (compute capability 9.0), which the
- * sm_90a code needs; read once. */
+ * sm_90a code needs */
 inline bool
 device_is_sm90 ()
 {
-  static int major = -1;
-  if (major < 0)
-    {
-      int dev = 0;
-      cudaGetDevice (&dev);
-      if (cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-        major = 0;
-      int minor = 0;
-      cudaDeviceGetAttribute (&minor, cudaDevAttrComputeCapabilityMinor, dev);
-      if (minor != 0)
-        major = 0;
-    }
-  return major == 9;
+  return device_cc () == 90;
 }
 
 /* Whether the current device's tensor cores take e4m3 (compute capability
- * 8.9 or more); read once. */
+ * 8.9 or more) */
 inline bool
 device_has_fp8_mma ()
 {
-  static int cc = -1;
-  if (cc < 0)
-    {
-      int dev = 0, major = 0, minor = 0;
-      cudaGetDevice (&dev);
-      if (cudaDeviceGetAttribute (&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-          cudaDeviceGetAttribute (&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-        major = minor = 0;
-      cc = 10 * major + minor;
-    }
-  return cc >= 89;
+  return device_cc () >= 89;
 }
 
 template <typename... Params, typename... Args>

@@ -1030,10 +1030,10 @@ rowwise_mma (MoeCudaExperts p, const T *src_rows, T *h, T *y)
  * activation scheme made in the kernel: a block per (row, 16 outputs), rows
  * fastest as in rowwise_mma; M = 2 for gate/up pairs (the gated experts
  * FP8 checkpoints have); down: M groups of 16 outputs a block (fewer,
- * longer blocks). Warp w takes the
- * 128-wide K blocks w, w + 8, …: it quantizes the row's group of each into
- * shared memory (load_group_fp8, as quantize_fp8 does), then multiplies its
- * 16 outputs' e4m3 weights by it with m16n8k32 products, the row as B's
+ * longer blocks). Warp w takes the 128-wide K blocks w, w + 8, …: it
+ * quantizes the row's group of each into shared memory (load_group_fp8, as
+ * quantize_fp8 does), then multiplies its 16 outputs' e4m3 weights by it
+ * with m16n8k32 products, the row as B's
  * first column (the others zero), and adds each block's sum times the two
  * scales. A product's k order is free, so lane (g, q) loads the 16 bytes at
  * 16q and 64 + 16q of weight rows g and g + 8, and lanes 0-3 the row's
@@ -1169,27 +1169,26 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
   const int o = threadIdx.x, n = n0 + o;
   if (o >= OUTS || n >= n_out)
     return;
-  if (MODE == MODE_DOWN)
+  if constexpr (MODE == MODE_DOWN)
     {
       float sum = 0.0f;
 #pragma unroll
       for (int wi = 0; wi < WARPS; wi++)
         sum += red[wi][o / 16][o % 16];
       y[(size_t) pair * p.hidden + n] = from_f<T> (down_finish<T> (p, e, n, sum));
-      return;
     }
-  float s[M];
-#pragma unroll
-  for (int m = 0; m < M; m++)
+  else
     {
-      s[m] = 0.0f;
+      float s[M] = {};
+      int gr = n, ur = n;
 #pragma unroll
-      for (int wi = 0; wi < WARPS; wi++)
-        s[m] += red[wi][m][o];
+      for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int wi = 0; wi < WARPS; wi++)
+          s[m] += red[wi][m][o];
+      gate_up_rows (p, n, &gr, &ur);
+      h[(size_t) pair * p.inter + n] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, s[0], s[M - 1]));
     }
-  int gr = n, ur = n;
-  gate_up_rows (p, n, &gr, &ur);
-  h[(size_t) pair * p.inter + n] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, s[0], s[M - 1]));
 }
 
 template <typename T, int WF>
