@@ -1378,14 +1378,13 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
           int b_scale[PER_LANE];
           /* GATHER: the copies of a stage's rows are in the generic proxy,
            * the tensor cores read in the async one: a warp hands its rows
-           * over once they have landed, fenced, a stage late so that the
-           * next stage's copies are in flight meanwhile */
+           * over once they have landed, fenced, LAG stages late, the later
+           * stages' copies in flight meanwhile. (The consumers hand a stage
+           * back once the next one's products are issued: more lag than
+           * STAGES - 2 would wait on itself.) */
+          constexpr int LAG = STAGES - 2;
           [[maybe_unused]] const T *x = (const T *) p.x;
-          [[maybe_unused]] auto hand_over = [&] (int stage, bool all_landed) {
-            if (all_landed)
-              asm volatile ("cp.async.wait_group 0;\n" ::: "memory");
-            else
-              asm volatile ("cp.async.wait_group 1;\n" ::: "memory");
+          [[maybe_unused]] auto hand_over = [&] (int stage) {
             asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
             __syncwarp ();
             if (lane == 0)
@@ -1464,13 +1463,20 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                           cp_async16 (stage_a (s) + swizzle128 (row, ch), ok ? x + (size_t) token * K + k : x, ok);
                         }
                       asm volatile ("cp.async.commit_group;\n" ::: "memory");
-                      if (it > 0)
-                        hand_over ((it - 1) % STAGES, false);
+                      if (it >= LAG)
+                        {
+                          asm volatile ("cp.async.wait_group %0;\n" :: "n"(LAG) : "memory");
+                          hand_over ((it - LAG) % STAGES);
+                        }
                     }
                 }
             }
-          if (GATHER && it > 0)
-            hand_over ((it - 1) % STAGES, true);
+          if constexpr (GATHER)
+            {
+              asm volatile ("cp.async.wait_group 0;\n" ::: "memory");
+              for (int j = it - LAG > 0 ? it - LAG : 0; j < it; j++)
+                hand_over (j % STAGES);
+            }
         }
     }
   else
