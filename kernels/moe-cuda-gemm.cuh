@@ -1343,8 +1343,8 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       for (int s = 0; s < STAGES; s++)
         {
           /* FP8: every producer lane's scale copies, and lane 0's bytes;
-           * GATHER: lane 0's bytes and each producer warp's rows */
-          mbar_init (&full[s], FP8 ? 33 : GATHER ? 5 : 1);
+           * GATHER: lane 0's bytes and each producer thread's rows */
+          mbar_init (&full[s], FP8 ? 33 : GATHER ? 129 : 1);
           /* each consumer warp of every CTA the stage's copies reach */
           mbar_init (&empty[s], CL * C::CW * 4);
         }
@@ -1376,22 +1376,8 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
            * their first weight row's scales start (b_scale, -1 past the end) */
           const float *w_scale = (const float *) (MODE != MODE_GATE_UP ? p.down_scale : p.up_scale);
           int b_scale[PER_LANE];
-          /* GATHER: the copies of a stage's rows are in the generic proxy,
-           * the tensor cores read in the async one: a warp hands its rows
-           * over once they have landed, fenced, LAG stages late, the later
-           * stages' copies in flight meanwhile. (The consumers hand a stage
-           * back once the next one's products are issued: more lag than
-           * STAGES - 2 would wait on itself.) */
-          constexpr int LAG = STAGES - 2;
           [[maybe_unused]] const T *x = (const T *) p.x;
-          [[maybe_unused]] auto hand_over = [&] (int stage) {
-            asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
-            __syncwarp ();
-            if (lane == 0)
-              mbar_arrive (&full[stage]);
-          };
-          int it = 0;
-          for (int group = first; tile_at (group); group += step)
+          for (int group = first, it = 0; tile_at (group); group += step)
             {
               const int nt = group % n_tiles, row0 = tile_weight_row<MODE> (p, BN, nt, 0);
               const int wrow0 = t.e * nw + (split ? nt * (BN / 2) : row0 >= 0 ? row0 : 0);
@@ -1462,20 +1448,10 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                           const bool ok = token >= 0 && k < K;
                           cp_async16 (stage_a (s) + swizzle128 (row, ch), ok ? x + (size_t) token * K + k : x, ok);
                         }
-                      asm volatile ("cp.async.commit_group;\n" ::: "memory");
-                      if (it >= LAG)
-                        {
-                          asm volatile ("cp.async.wait_group %0;\n" :: "n"(LAG) : "memory");
-                          hand_over ((it - LAG) % STAGES);
-                        }
+                      /* each producer thread arrives once its copies land */
+                      cp_async_arrive (&full[s]);
                     }
                 }
-            }
-          if constexpr (GATHER)
-            {
-              asm volatile ("cp.async.wait_group 0;\n" ::: "memory");
-              for (int j = it - LAG > 0 ? it - LAG : 0; j < it; j++)
-                hand_over (j % STAGES);
             }
         }
     }
@@ -1484,7 +1460,13 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       asm volatile ("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(C::CONSUMER_REGS));
       const int cw = wg - 1, warp_in_wg = (threadIdx.x % 128) / 32;
       const int row = cw * 64 + warp_in_wg * 16 + lane / 4;   /* of the tile: this thread's first */
-      auto wait_full = [&] (int it) { mbar_wait (&full[it % STAGES], (it / STAGES) & 1); };
+      auto wait_full = [&] (int it) {
+        mbar_wait (&full[it % STAGES], (it / STAGES) & 1);
+        /* GATHER: A's rows came by cp.async, in the generic proxy; the
+         * tensor cores read in the async one */
+        if constexpr (GATHER)
+          asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
+      };
       auto stage_a_mine = [&] (int it) { return stage_a (it % STAGES) + cw * 64 * WG_ROW_BYTES; };
       /* this warp is done with a stage (its products waited for): one
        * arrival a warp, at every CTA whose copies the stage holds */
