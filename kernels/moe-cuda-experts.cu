@@ -471,6 +471,18 @@ fp8_scale_counts (const MoeCudaExperts &p, size_t *up_n, size_t *down_n)
   *down_n = (size_t) p.num_experts * hb * ib;
 }
 
+/* Whether sonicmoe's gate/up gathers x's rows itself: below a wide
+ * m-tile's 128 rows an expert, where the weights' bytes are the cost
+ * (H100: 1-3% faster than the gather pass at 512 tokens of the Qwen and
+ * DeepSeek-V3 shapes); from there on its copies fall behind the bulk
+ * copies of the sorted rows (Mixtral's layer at 512 tokens, 128 rows an
+ * expert: 20% slower; Qwen1.5-MoE's at 4096: 23%), so it gathers first. */
+bool
+fused_gathers (const MoeCudaExperts &p)
+{
+  return (long) p.tokens * p.top_k < 128L * p.num_experts;
+}
+
 size_t
 carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
 {
@@ -500,7 +512,7 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
       w->ys = take (S * p->hidden * es);
     }
   const GemmPath path = hopper_path (*p, schedule);
-  if (p->weight_format == MOE_CUDA_WEIGHTS_PLAIN && path == PATH_TMA && schedule != MOE_CUDA_FUSED)
+  if (p->weight_format == MOE_CUDA_WEIGHTS_PLAIN && path == PATH_TMA && !(schedule == MOE_CUDA_FUSED && fused_gathers (*p)))
     w->xg = take (S * p->hidden * es);   /* the gather for the bulk copies */
   if (p->weight_format == MOE_CUDA_WEIGHTS_FP8 && path != PATH_OTHER)
     {
@@ -867,12 +879,14 @@ run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s
 }
 
 /* sonicmoe's schedule: the gather of x fused into gate_up (its producer
- * warps copy rows by token: no gathered copy of x, no gather pass), the
- * activation into its epilogue, bias and un-permute into down's, then the
- * combine: four kernels, the bulk-copy GEMMs' tiles. bf16 experts on bf16
- * hidden states; rows only 8-byte aligned take the cp.async wgmma GEMMs,
- * which gather the same way. (Folding the combine into down's epilogue
- * with float atomics measured slower.) */
+ * warps copy rows by token: no gathered copy of x, no gather pass) where
+ * fused_gathers says it pays, the activation into its epilogue, bias and
+ * un-permute into down's, then the combine: four kernels, the bulk-copy
+ * GEMMs' tiles. bf16 experts on bf16 hidden states; rows only 8-byte
+ * aligned take the cp.async wgmma GEMMs, which gather the same way.
+ * (Folding the combine into down's epilogue with float atomics measured
+ * slower; so did a bulk copy a row for the gather: 58% at DeepSeek-V3's
+ * layer, 4096 tokens.) */
 const char *
 run_fused (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
@@ -881,7 +895,8 @@ run_fused (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   switch (hopper_path (p, MOE_CUDA_FUSED))
     {
     case PATH_TMA:
-      return run_grouped_tma_aot<__nv_bfloat16, false, true> (p, w, s);
+      return fused_gathers (p) ? run_grouped_tma_aot<__nv_bfloat16, false, true> (p, w, s)
+                               : run_grouped_tma_aot<__nv_bfloat16, false> (p, w, s);
     case PATH_WGMMA:
       return run_grouped_wgmma_aot<__nv_bfloat16, false> (p, w, s);
     default:
