@@ -475,8 +475,9 @@ fp8_scale_counts (const MoeCudaExperts &p, size_t *up_n, size_t *down_n)
  * m-tile's 128 rows an expert, where the weights' bytes are the cost
  * (H100: 1-3% faster than the gather pass at 512 tokens of the Qwen and
  * DeepSeek-V3 shapes); from there on its copies fall behind the bulk
- * copies of the sorted rows (Mixtral's layer at 512 tokens, 128 rows an
- * expert: 20% slower; Qwen1.5-MoE's at 4096: 23%), so it gathers first. */
+ * copies of the sorted rows (H100: Qwen1.5-MoE's layer at 4096 tokens,
+ * 273 rows an expert, 23% slower; Mixtral's at 512, 128 rows, 20% with
+ * an earlier form of the producer), so it gathers first. */
 bool
 fused_gathers (const MoeCudaExperts &p)
 {
