@@ -440,24 +440,24 @@ fp8_rowwise_mma (const MoeCudaExperts &p)
  * bulk tensor copies + warp-specialized wgmma where rows are 16-byte
  * aligned, cp.async + wgmma where they are only 8-byte aligned (both on
  * Hopper, K-major weights), else the mma.sync / plain-float kernels. FP8
- * weights on the tensor cores take e4m3 activations with their scales;
- * bf16 grouped_mm keeps the small-tile mma.sync kernels for few rows per
- * expert, where a 128-row tile would mostly multiply nothing. */
+ * weights on the tensor cores take e4m3 activations with their scales.
+ * Few rows an expert too: with that few the weights' bytes are the cost,
+ * which the bulk copies stream faster than the small mma.sync tiles (H100,
+ * grouped_mm: +5-7% at 8 and 64 tokens on the Qwen shapes, +22-43% at 512,
+ * against the mma.sync tiles below 64 rows an expert). */
 enum GemmPath { PATH_OTHER, PATH_WGMMA, PATH_TMA };
 
 GemmPath
 hopper_path (const MoeCudaExperts &p, int schedule)
 {
   const bool fp8 = p.weight_format == MOE_CUDA_WEIGHTS_FP8;
-  const int S = p.tokens * p.top_k, E = p.num_experts, es = fp8 ? 1 : 2;
+  const int es = fp8 ? 1 : 2;
 
   if (schedule != MOE_CUDA_GROUPED && schedule != MOE_CUDA_DEEPGEMM && schedule != MOE_CUDA_FUSED)
     return PATH_OTHER;
   if (!device_is_sm90 () || p.transposed || p.weight_format == MOE_CUDA_WEIGHTS_FP4)
     return PATH_OTHER;
   if ((!fp8 && elem_size (p.dtype) != 2) || p.hidden % 8 != 0 || p.inter % 8 != 0)
-    return PATH_OTHER;
-  if (schedule == MOE_CUDA_GROUPED && !fp8 && S / (E < S ? E : S) <= 64)
     return PATH_OTHER;
   return (p.hidden * es) % 16 == 0 && (p.inter * es) % 16 == 0 ? PATH_TMA : PATH_WGMMA;
 }
@@ -469,6 +469,19 @@ fp8_scale_counts (const MoeCudaExperts &p, size_t *up_n, size_t *down_n)
   const size_t hb = (p.hidden + 127) / 128, ib = (p.inter + 127) / 128;
   *up_n = (size_t) p.num_experts * p.up_scale_rows * hb;
   *down_n = (size_t) p.num_experts * hb * ib;
+}
+
+/* Whether sonicmoe's gate/up gathers x's rows itself: below a wide
+ * m-tile's 128 rows an expert, where the weights' bytes are the cost
+ * (H100: 1-3% faster than the gather pass at 512 tokens of the Qwen and
+ * DeepSeek-V3 shapes); from there on its copies fall behind the bulk
+ * copies of the sorted rows (H100: Qwen1.5-MoE's layer at 4096 tokens,
+ * 273 rows an expert, 23% slower; Mixtral's at 512, 128 rows, 20% with
+ * an earlier form of the producer), so it gathers first. */
+bool
+fused_gathers (const MoeCudaExperts &p)
+{
+  return (long) p.tokens * p.top_k < 128L * p.num_experts;
 }
 
 size_t
@@ -500,7 +513,7 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
       w->ys = take (S * p->hidden * es);
     }
   const GemmPath path = hopper_path (*p, schedule);
-  if (p->weight_format == MOE_CUDA_WEIGHTS_PLAIN && path == PATH_TMA && schedule != MOE_CUDA_FUSED)
+  if (p->weight_format == MOE_CUDA_WEIGHTS_PLAIN && path == PATH_TMA && !(schedule == MOE_CUDA_FUSED && fused_gathers (*p)))
     w->xg = take (S * p->hidden * es);   /* the gather for the bulk copies */
   if (p->weight_format == MOE_CUDA_WEIGHTS_FP8 && path != PATH_OTHER)
     {
@@ -660,12 +673,12 @@ make_tensor_map (CUtensorMap *map, const void *base, int es, size_t rows, int co
   return nullptr;
 }
 
-template <typename T, int MODE, bool FP8, typename C>
+template <typename T, int MODE, bool FP8, typename C, bool GATHER = false>
 __global__ void __launch_bounds__ (C::THREADS, 1)
 grouped_gemm_tma (const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, MoeCudaExperts p,
                   Route r, const float *a_scale, void *dst, int n_tiles)
 {
-  tma_gemm<T, MODE, FP8, 0, C> (&ta, &tb, p, r, a_scale, dst, n_tiles);
+  tma_gemm<T, MODE, FP8, 0, C, GATHER> (&ta, &tb, p, r, a_scale, dst, n_tiles);
 }
 
 template <typename C>
@@ -737,12 +750,14 @@ tma_m_tile_bytes (const MoeCudaExperts &p)
          ((long long) tma_n_tiles<C> (p, MODE_GATE_UP) * p.hidden + (long long) tma_n_tiles<C> (p, MODE_DOWN) * p.inter);
 }
 
-/* One projection with tile shape C: a = the sorted rows (x gathered, or h) */
+/* One projection with tile shape C: a = the sorted rows (x gathered, or
+ * h), or for a gathering gate/up x itself (its tensor map unused) */
 template <typename C>
 const char *
 launch_tma_projection (int mode, const TmaKernels &k, const MoeCudaExperts &p, const Workspace &w, const void *a,
                        int es, const float *as, cudaStream_t s)
 {
+  const size_t a_rows = a == p.x ? (size_t) p.tokens : (size_t) p.tokens * p.top_k;
   const int S = p.tokens * p.top_k, E = p.num_experts, nt = tma_n_tiles<C> (p, mode);
   /* at most: every m-tile full, and each expert's last and its cluster's padding not */
   const long m_slots = (S + C::BM - 1) / C::BM + (long) C::CLUSTER * (E < S ? E : S);
@@ -751,7 +766,7 @@ launch_tma_projection (int mode, const TmaKernels &k, const MoeCudaExperts &p, c
   const bool halves = split || C::CLUSTER > 1;
 
   if (mode == MODE_GATE_UP)
-    return launch_tma<C> (k.gate_up, m_slots * nt, a, es, S, p.up, (size_t) E * (p.has_gate ? 2 * p.inter : p.inter),
+    return launch_tma<C> (k.gate_up, m_slots * nt, a, es, a_rows, p.up, (size_t) E * (p.has_gate ? 2 * p.inter : p.inter),
                           p.hidden, halves ? C::BN / 2 : C::BN, p, w.r, as, w.h, nt, s);
   return launch_tma<C> (k.down, m_slots * nt, a, es, S, p.down, (size_t) E * p.hidden, p.inter,
                         C::CLUSTER > 1 ? C::BN / 2 : C::BN, p, w.r, as, w.y, nt, s);
@@ -767,15 +782,17 @@ e8m0_to_float (const unsigned char *in, size_t n, float *out)
 }
 
 /* As run_grouped_wgmma, with the bulk-copy GEMMs: x is first gathered (and
- * for FP8 quantized) into sorted rows, which the copies read in boxes. With
+ * for FP8 quantized) into sorted rows, which the copies read in boxes —
+ * unless GATHER, where gate/up's kernels gather x's rows themselves. With
  * a second tile shape D (kd), route picks C or D on the device from the
  * rows each expert got, and both kernels are launched: the other returns at
  * once (no host sync; a graph can hold it). */
-template <typename T, bool FP8, typename C, typename D = C>
+template <typename T, bool FP8, typename C, typename D = C, bool GATHER = false>
 const char *
 run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, const TmaKernels &kc,
                  const TmaKernels &kd = {})
 {
+  static_assert (!GATHER || !FP8, "gate/up gathers 16-bit x");
   constexpr bool two = !std::is_same<C, D>::value;
   const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
   const TileChoice choice = { two ? D::BM : 0, tma_m_tile_bytes<C> (p), tma_m_tile_bytes<D> (p), C::CLUSTER, D::CLUSTER };
@@ -793,7 +810,7 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       e8m0_to_float<<<(unsigned) ((down_n + 255) / 256), 256, 0, s>>> ((const unsigned char *) p.down_scale, down_n,
                                                                          w.down_scale);
       q.up_scale = w.up_scale, q.down_scale = w.down_scale, q.scale_dtype = MOE_CUDA_F32;
-      return run_grouped_tma<T, FP8, C, D> (q, w, s, kc, kd);
+      return run_grouped_tma<T, FP8, C, D, GATHER> (q, w, s, kc, kd);
     }
   route<<<1, 1024, 0, s>>> (p.ids, S, E, C::BM, w.r, choice);
   if (FP8)
@@ -801,6 +818,8 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs, true, w.r, E, p.top_k);
       a = w.xq8, as = w.xs;
     }
+  else if (GATHER)
+    a = p.x;
   else
     {
       gather_sorted<T><<<S, 256, 0, s>>> ((const T *) p.x, w.r, E, p.top_k, p.hidden, (T *) w.xg);
@@ -822,11 +841,12 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
   return launch_combine<T> (p, w, s);
 }
 
-template <typename T, bool FP8, typename C>
+template <typename T, bool FP8, typename C, bool GATHER = false>
 TmaKernels
 tma_kernels ()
 {
-  return { (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8, C>, (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8, C> };
+  return { (const void *) grouped_gemm_tma<T, MODE_GATE_UP, FP8, C, GATHER>,
+           (const void *) grouped_gemm_tma<T, MODE_DOWN, FP8, C> };
 }
 
 /* Whether the wide tile takes its form for many rows an expert
@@ -840,8 +860,9 @@ large_tiles (const MoeCudaExperts &p)
   return (long) p.tokens * p.top_k >= 512L * p.num_experts;
 }
 
-/* The wide tile or the tall one, route's choice */
-template <typename T, bool FP8>
+/* The wide tile or the tall one, route's choice; GATHER: gate/up gathers
+ * x's rows itself (sonicmoe's schedule) */
+template <typename T, bool FP8, bool GATHER = false>
 const char *
 run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
@@ -851,27 +872,37 @@ run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s
   else
     {
       if (large_tiles (p))
-        return run_grouped_tma<T, FP8, TmaWideLarge<FP8>, Tall> (p, w, s, tma_kernels<T, FP8, TmaWideLarge<FP8>> (),
-                                                                 tma_kernels<T, FP8, Tall> ());
-      return run_grouped_tma<T, FP8, TmaWide<FP8>, Tall> (p, w, s, tma_kernels<T, FP8, TmaWide<FP8>> (),
-                                                          tma_kernels<T, FP8, Tall> ());
+        return run_grouped_tma<T, FP8, TmaWideLarge<FP8>, Tall, GATHER> (
+            p, w, s, tma_kernels<T, FP8, TmaWideLarge<FP8>, GATHER> (), tma_kernels<T, FP8, Tall, GATHER> ());
+      return run_grouped_tma<T, FP8, TmaWide<FP8>, Tall, GATHER> (p, w, s, tma_kernels<T, FP8, TmaWide<FP8>, GATHER> (),
+                                                                  tma_kernels<T, FP8, Tall, GATHER> ());
     }
 }
 
-/* sonicmoe's schedule: the gather of x fused into gate_up's prologue
- * (cp.async rows by token: no gathered copy of x, no gather pass), the
- * activation into its epilogue, bias and un-permute into down's, then the
- * combine: four kernels. bf16 experts on bf16 hidden states. (Folding the
- * combine into down's epilogue with float atomics measured slower, and a
- * gathering producer for the bulk-copy GEMM is not finished.) */
+/* sonicmoe's schedule: the gather of x fused into gate_up (its producer
+ * warps copy rows by token: no gathered copy of x, no gather pass) where
+ * fused_gathers says it pays, the activation into its epilogue, bias and
+ * un-permute into down's, then the combine: four kernels, the bulk-copy
+ * GEMMs' tiles. bf16 experts on bf16 hidden states; rows only 8-byte
+ * aligned take the cp.async wgmma GEMMs, which gather the same way.
+ * (Folding the combine into down's epilogue with float atomics measured
+ * slower; so did a bulk copy a row for the gather: 58% at DeepSeek-V3's
+ * layer, 4096 tokens.) */
 const char *
 run_fused (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
 {
   if (p.dtype != MOE_CUDA_BF16 || p.weight_format != MOE_CUDA_WEIGHTS_PLAIN)
     return "the fused schedule runs bf16 experts on bf16 hidden states";
-  if (hopper_path (p, MOE_CUDA_FUSED) == PATH_OTHER)
-    return "the fused schedule runs on Hopper (sm_90a) only";
-  return run_grouped_wgmma_aot<__nv_bfloat16, false> (p, w, s);
+  switch (hopper_path (p, MOE_CUDA_FUSED))
+    {
+    case PATH_TMA:
+      return fused_gathers (p) ? run_grouped_tma_aot<__nv_bfloat16, false, true> (p, w, s)
+                               : run_grouped_tma_aot<__nv_bfloat16, false> (p, w, s);
+    case PATH_WGMMA:
+      return run_grouped_wgmma_aot<__nv_bfloat16, false> (p, w, s);
+    default:
+      return "the fused schedule runs on Hopper (sm_90a) only";
+    }
 }
 
 /* deepgemm: the grouped schedule on the Hopper tensor cores, with the

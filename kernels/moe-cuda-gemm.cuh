@@ -1291,7 +1291,11 @@ cp_async_arrive (uint64_t *bar)
   asm volatile ("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr (bar)) : "memory");
 }
 
-template <typename T, int MODE, bool FP8, int KC, typename C>
+/* One CTA of the bulk-copy GEMM. With GATHER (gate/up of 16-bit x only:
+ * sonicmoe's schedule) the producer warpgroup gathers A's rows from x by
+ * token itself, cp.async into the swizzled stage, so no sorted copy of x
+ * is made first; the weight tile still comes by bulk copy. */
+template <typename T, int MODE, bool FP8, int KC, typename C, bool GATHER = false>
 __device__ __forceinline__ void
 tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p, const Route &r,
           const float *a_scale, void *dst, int n_tiles)
@@ -1303,6 +1307,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   static_assert (!FP8 || (C::CW == 2 && (BN == 128 || BN == 192)) || (BN == 96 && C::CW == 3),
                  "FP8 tiles are 128 × 128, 128 × 192 or 192 × 96");
   static_assert (CL == 1 || CL == 2, "clusters of one CTA or two");
+  static_assert (!GATHER || (!FP8 && MODE == MODE_GATE_UP), "the gathering producer reads 16-bit x for gate/up");
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__ (8) uint64_t full[STAGES], empty[STAGES];
   /* FP8: each producer lane's share of a stage's scales, the rows' then
@@ -1312,6 +1317,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
    * scales' slot next */
   constexpr int PER_LANE = FP8 ? (BM + BN / 8 + 31) / 32 : 1, SCALE_SLOTS = FP8 ? 2 * STAGES : 1;
   __shared__ float s_scale[SCALE_SLOTS][32 * PER_LANE];
+  __shared__ int s_token[GATHER ? BM : 1];   /* GATHER: the tile's rows' tokens */
   unsigned char *smem = (unsigned char *) (((uintptr_t) smem_raw + 1023) & ~(uintptr_t) 1023);
   const int K = KC != 0 ? KC : (MODE != MODE_GATE_UP ? p.inter : p.hidden);
   const int nw = MODE != MODE_GATE_UP ? p.hidden : (p.has_gate ? 2 * p.inter : p.inter);
@@ -1336,8 +1342,9 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
     {
       for (int s = 0; s < STAGES; s++)
         {
-          /* FP8: every producer lane's scale copies, and lane 0's bytes */
-          mbar_init (&full[s], FP8 ? 33 : 1);
+          /* FP8: every producer lane's scale copies, and lane 0's bytes;
+           * GATHER: lane 0's bytes and each producer thread's rows */
+          mbar_init (&full[s], FP8 ? 33 : GATHER ? 129 : 1);
           /* each consumer warp of every CTA the stage's copies reach */
           mbar_init (&empty[s], CL * C::CW * 4);
         }
@@ -1355,10 +1362,12 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
 
   if (wg == 0)
     {
-      /* the producer: warp 0; lane 0 issues the bulk copies */
+      /* the producer: warp 0, whose lane 0 issues the bulk copies (GATHER:
+       * and warps 1-3, each gathering a quarter of A's rows) */
       asm volatile ("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(C::PRODUCER_REGS));
-      if (threadIdx.x < 32)
+      if (GATHER || threadIdx.x < 32)
         {
+          const int warp = threadIdx.x / 32;
           /* the tile's weight rows: one box, or the gate and up halves apart */
           const bool split = MODE == MODE_GATE_UP && p.has_gate && !p.interleaved;
           /* FP8 (float scales: run_grouped_tma converts UE8M0 ones): each
@@ -1367,6 +1376,7 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
            * their first weight row's scales start (b_scale, -1 past the end) */
           const float *w_scale = (const float *) (MODE != MODE_GATE_UP ? p.down_scale : p.up_scale);
           int b_scale[PER_LANE];
+          [[maybe_unused]] const T *x = (const T *) p.x;
           for (int group = first, it = 0; tile_at (group); group += step)
             {
               const int nt = group % n_tiles, row0 = tile_weight_row<MODE> (p, BN, nt, 0);
@@ -1380,6 +1390,16 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                       const int row = c >= 0 && c < BN ? tile_weight_row<MODE> (p, BN, nt, c) : -1;
                       b_scale[j] = row >= 0 ? fp8_scale_row<MODE> (p, t.e, row) : -1;
                     }
+                }
+              if constexpr (GATHER)
+                {
+                  /* this warp's rows' tokens (-1 past the expert's rows) */
+                  for (int i = lane; i < BM / 4; i += 32)
+                    {
+                      const int row = warp * (BM / 4) + i;
+                      s_token[row] = row < t.rows ? r.sorted_pair[t.row0 + row] / p.top_k : -1;
+                    }
+                  __syncwarp ();
                 }
               for (int kt = 0; kt < ktiles; kt++, it++)
                 {
@@ -1400,10 +1420,11 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                         }
                       cp_async_arrive (&full[s]);
                     }
-                  if (lane == 0)
+                  if (threadIdx.x == 0)
                     {
-                      mbar_expect_tx (&full[s], STAGE_BYTES);
-                      tma_load (stage_a (s), ta, &full[s], kt * BK, t.row0);
+                      mbar_expect_tx (&full[s], GATHER ? STAGE_BYTES - BM * WG_ROW_BYTES : STAGE_BYTES);
+                      if constexpr (!GATHER)
+                        tma_load (stage_a (s), ta, &full[s], kt * BK, t.row0);
                       if constexpr (CL > 1)
                         /* this CTA's half of the weight tile, into both */
                         tma_load_multicast (stage_b (s) + rank * (BN / 2) * WG_ROW_BYTES, tb, &full[s], kt * BK,
@@ -1416,6 +1437,20 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                       else
                         tma_load (stage_b (s), tb, &full[s], kt * BK, wrow0);
                     }
+                  if constexpr (GATHER)
+                    {
+                      /* lane l: 16-byte chunk l % 8 of rows l / 8, + 4, … */
+                      const int ch = lane % 8, k = kt * BK + ch * 8;
+#pragma unroll 4
+                      for (int i = lane / 8; i < BM / 4; i += 4)
+                        {
+                          const int row = warp * (BM / 4) + i, token = s_token[row];
+                          const bool ok = token >= 0 && k < K;
+                          cp_async16 (stage_a (s) + swizzle128 (row, ch), ok ? x + (size_t) token * K + k : x, ok);
+                        }
+                      /* each producer thread arrives once its copies land */
+                      cp_async_arrive (&full[s]);
+                    }
                 }
             }
         }
@@ -1425,7 +1460,13 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
       asm volatile ("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(C::CONSUMER_REGS));
       const int cw = wg - 1, warp_in_wg = (threadIdx.x % 128) / 32;
       const int row = cw * 64 + warp_in_wg * 16 + lane / 4;   /* of the tile: this thread's first */
-      auto wait_full = [&] (int it) { mbar_wait (&full[it % STAGES], (it / STAGES) & 1); };
+      auto wait_full = [&] (int it) {
+        mbar_wait (&full[it % STAGES], (it / STAGES) & 1);
+        /* GATHER: A's rows came by cp.async, in the generic proxy; the
+         * tensor cores read in the async one */
+        if constexpr (GATHER)
+          asm volatile ("fence.proxy.async.shared::cta;\n" ::: "memory");
+      };
       auto stage_a_mine = [&] (int it) { return stage_a (it % STAGES) + cw * 64 * WG_ROW_BYTES; };
       /* this warp is done with a stage (its products waited for): one
        * arrival a warp, at every CTA whose copies the stage holds */

@@ -529,6 +529,9 @@ test_random_large (void)
   /* ~960 rows an expert: the large wide tile, CTAs in pairs sharing the
    * weight tile (odd m-tile counts padded), I not a multiple of 128 */
   check_random (4, 256, 320, 2400, 2, FALSE);
+  /* ~50 rows an expert, H not a multiple of the 64-wide k-tile: sonicmoe's
+   * gate/up gathers x's rows itself (zeros past K) */
+  check_random (16, 200, 136, 200, 4, FALSE);
 }
 
 /* The finishes other than SwiGLU without biases, with ~150 rows an expert
