@@ -2,12 +2,15 @@
 # gpu-run.sh: on the GPU machine, unpack _gpu/bundle.tar.xz (tools/gpu-bundle.sh)
 # into /tmp/moe-gpu and run
 #
-#   tools/gpu-run.sh test [NAME]    the gpu suite (tests/gpu) and the CPU
+#   tools/gpu-run.sh test [NAME [TEST…]]
+#                                   the gpu suite (tests/gpu) and the CPU
 #                                   experts test, with the environment meson
 #                                   test gives them; prints "N passed, N failed,
 #                                   N skipped" and exits non-zero on a failure;
 #                                   NAME: with the cuda plugin of candidate NAME
-#                                   (tools/gpu-bundle.sh --candidate NAME)
+#                                   (tools/gpu-bundle.sh --candidate NAME;
+#                                   "this" for the bundle's own), TEST…: only
+#                                   these of the suite (test-cuda-experts …)
 #   tools/gpu-run.sh bench [ARGS]   tools/bench-experts-cuda.py ARGS
 #   tools/gpu-run.sh attention-bench [ARGS]
 #                                   moe-bench-attention ARGS: the two prefill
@@ -90,12 +93,14 @@ what=${1:-test}
 case "$what" in
   test)
     side=${1:-this}
+    [ $# -gt 0 ] && shift
+    tests=${*:-test-cuda-experts test-cuda-model test-cuda-attention test-cuda-rope test-experts}
     MOE_PLUGIN_PATH=$(plugins_of "$side") || exit 1
     export MOE_PLUGIN_PATH
     prefix=
     [ "$side" = this ] || { prefix=$side-; echo "the cuda plugin of candidate $side ($(commit_of "$side"))"; }
     passed=0 failed=0 skipped=0
-    for t in test-cuda-experts test-cuda-model test-cuda-attention test-cuda-rope test-experts; do
+    for t in $tests; do
       # a bundle of a tree before the test has none: counted as skipped
       [ -x "$root/bin/$t" ] || { echo "$t: SKIP (not in this bundle)"; skipped=$((skipped + 1)); continue; }
       "$root/bin/$t" --tap > "/tmp/$t.log" 2>&1
