@@ -48,10 +48,12 @@ typedef struct {
   int                   attention_split;  /* decode over more keys: blocks of this many (MOE_CUDA_ATTENTION_SPLIT; 0: one) */
   gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
   gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
-  /* GEMV-sized steps run the shared expert's gate and up projections here,
-   * beside the router and the routed experts; NULL: all on the device's
-   * stream (MOE_CUDA_SIDE_STREAM=0) */
+  /* the shared expert runs here, beside the router and the routed experts,
+   * its GEMMs on a cuBLAS handle of its own (a handle's workspace is not
+   * for two streams at once); NULL: all on the device's stream
+   * (MOE_CUDA_SIDE_STREAM=0) */
   cudaStream_t          side;
+  cublasHandle_t        side_cublas;
   cudaEvent_t           fork, join;
 } Decoder;
 
@@ -201,6 +203,8 @@ moe_cuda_decoder_free (MoeDevice *device,
   g_clear_object (&d->lm_head);
   g_clear_object (&d->final_norm);
   g_clear_object (&d->inv_freq);
+  if (d->side_cublas != NULL)
+    cublasDestroy (d->side_cublas);
   if (d->side != NULL)
     {
       cudaEventDestroy (d->fork);
@@ -250,7 +254,9 @@ moe_cuda_decoder_new (MoeDevice      *device,
   if (m->has_shared && g_strcmp0 (g_getenv ("MOE_CUDA_SIDE_STREAM"), "0") != 0 &&
       (cudaStreamCreateWithFlags (&d->side, cudaStreamNonBlocking) != cudaSuccess ||
        cudaEventCreateWithFlags (&d->fork, cudaEventDisableTiming) != cudaSuccess ||
-       cudaEventCreateWithFlags (&d->join, cudaEventDisableTiming) != cudaSuccess))
+       cudaEventCreateWithFlags (&d->join, cudaEventDisableTiming) != cudaSuccess ||
+       cublasCreate (&d->side_cublas) != CUBLAS_STATUS_SUCCESS ||
+       cublasSetStream (d->side_cublas, d->side) != CUBLAS_STATUS_SUCCESS))
     {
       g_set_error (error, MOE_ERROR, MOE_ERROR_FAILED, "CUDA: could not create the decoder's side stream");
       goto fail;
@@ -438,21 +444,24 @@ cuda_type (int dtype)
 }
 
 /* y [rows, out] = x [rows, in] (rows @ldx elements apart) · Wᵀ (+ bias) on
- * the device's stream, as torch's linear: float32 accumulation, the bias
+ * @stream (the device's or the side stream), as torch's linear: float32 accumulation, the bias
  * added before the one rounding to the model dtype, in cuBLASLt's epilogue
  * (torch's addmm on CUDA), or where that has no algorithm, y starts as the
  * bias and cublasGemmEx adds to it (beta = 1). @accumulate (no bias): y +=
  * x · Wᵀ, also one rounding. @f32: y is float32, unrounded. */
 static gboolean
-gemm (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32, MoeTensor *y,
-      gboolean accumulate, GError **error)
+gemm (Decoder *d, cudaStream_t stream, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32,
+      MoeTensor *y, gboolean accumulate, GError **error)
 {
   const float one = 1.0f, zero = 0.0f;
   cudaDataType_t out_type = f32 ? CUDA_R_32F : cuda_type (d->dtype);
+  cublasHandle_t handle = stream == d->side ? d->side_cublas : d->dev->cublas;
   cublasStatus_t st;
 
-  /* bias_rows would overwrite what y holds */
+  /* bias_rows would overwrite what y holds; biases (cuBLASLt's plans) on
+   * the device's stream only (the side stream's shared expert has none) */
   g_assert (!accumulate || lin->bias == NULL);
+  g_assert (lin->bias == NULL || stream == d->dev->stream);
   if (lin->bias != NULL && d->lt)
     {
       MoeCudaBiasedGemm g = {
@@ -468,7 +477,7 @@ gemm (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolea
   if (lin->bias != NULL)
     moe_cuda_bias_rows (d->dtype, DATA (lin->bias), rows, lin->out, DATA (y), d->dev->stream);
   g_mutex_lock (&d->dev->lock);
-  st = cublasGemmEx (d->dev->cublas, CUBLAS_OP_T, CUBLAS_OP_N, lin->out, rows, lin->in, &one,
+  st = cublasGemmEx (handle, CUBLAS_OP_T, CUBLAS_OP_N, lin->out, rows, lin->in, &one,
                      DATA (lin->weight), cuda_type (d->dtype), lin->in,
                      DATA (x), cuda_type (d->dtype), ldx, lin->bias != NULL || accumulate ? &one : &zero,
                      DATA (y), out_type, lin->out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
@@ -484,8 +493,7 @@ gemm (Decoder *d, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolea
 
 /* y [rows, out] = x · Wᵀ (+ bias), as gemm(); @f32: y stays float32,
  * unrounded, and there is no bias (the router's). A few rows (decode) run
- * as GEMVs on @stream, more on cuBLAS on the device's stream (which
- * @stream must then be). */
+ * as GEMVs on @stream, more on cuBLAS there. */
 static MoeTensor *
 project_on (Decoder *d, cudaStream_t stream, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32,
             GError **error)
@@ -504,8 +512,7 @@ project_on (Decoder *d, cudaStream_t stream, const DevLinear *lin, MoeTensor *x,
       moe_cuda_gemv (&g, stream);
       return g_steal_pointer (&y);
     }
-  g_assert (stream == d->dev->stream);
-  return gemm (d, lin, x, ldx, rows, f32, y, FALSE, error) ? g_steal_pointer (&y) : NULL;
+  return gemm (d, stream, lin, x, ldx, rows, f32, y, FALSE, error) ? g_steal_pointer (&y) : NULL;
 }
 
 static MoeTensor *
@@ -974,14 +981,15 @@ gemv_down (Decoder *d, cudaStream_t stream, const DevLayer *L, MoeTensor *h, int
   return g_steal_pointer (&y);
 }
 
-/* act(gate(x)) · up(x), then down: a dense MLP, or the shared expert added
- * to @into (as gemv_down). A few rows: the two GEMVs; more: cuBLAS and the
- * activation kernel between them. */
+/* act(gate(x)) · up(x), then down, on @stream: a dense MLP, or the shared
+ * expert (times sigmoid(@gate) where the model gates it) in a tensor of its
+ * own or added to @into (as gemv_down). A few rows: the two GEMVs; more:
+ * cuBLAS and the activation kernel between them. */
 static MoeTensor *
-mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, MoeTensor *gate, GError **error)
+mlp (Decoder *d, cudaStream_t stream, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, MoeTensor *gate,
+     GError **error)
 {
   int inter = L->gate_up.out / 2, H = d->m->hidden;
-  cudaStream_t stream = d->dev->stream;
 
   if (rows <= d->gemv_rows)
     {
@@ -989,10 +997,9 @@ mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, Moe
       return h ? gemv_down (d, stream, L, h, rows, into, gate, error) : NULL;
     }
   {
-    g_autoptr(MoeTensor) gu = linear (d, &L->gate_up, x, H, rows, error);
+    g_autoptr(MoeTensor) gu = project_on (d, stream, &L->gate_up, x, H, rows, FALSE, error);
     const gint64 shape[2] = { rows, H };
 
-    g_assert (into != NULL || gate == NULL);
     if (gu == NULL)
       return NULL;
     /* the shared expert's sigmoid gate multiplies h = act(g) · u before
@@ -1002,7 +1009,7 @@ mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, Moe
      * moves the sum by about an ulp of the model dtype */
     moe_cuda_act_mul (d->dtype, DATA (gu), rows, inter, 2 * inter, d->m->act_fn, OPT (gate), stream);
     if (into == NULL)
-      return linear (d, &L->down, gu, 2 * inter, rows, error);
+      return project_on (d, stream, &L->down, gu, 2 * inter, rows, FALSE, error);
     /* in place: @into is [rows, H], rows H apart (a tensor of its own),
      * and a shared expert has no biases (moe-transformer.c) */
     if (!moe_tensor_has_shape (into, shape, 2) || moe_tensor_get_dtype (into) != d->m->dtype ||
@@ -1013,14 +1020,13 @@ mlp (Decoder *d, const DevLayer *L, MoeTensor *x, int rows, MoeTensor *into, Moe
                      "in the model dtype, and the shared expert without biases", rows, H);
         return NULL;
       }
-    return gemm (d, &L->down, gu, 2 * inter, rows, FALSE, into, TRUE, error) ? g_object_ref (into) : NULL;
+    return gemm (d, stream, &L->down, gu, 2 * inter, rows, FALSE, into, TRUE, error) ? g_object_ref (into) : NULL;
   }
 }
 
-/* The routed experts' output; with a shared expert made on the side stream
- * (a few rows), the shared expert's apart in @shared_out, for the residual
- * add to sum (its down GEMV then runs beside the routed experts, not after
- * them); else added to the routed output. */
+/* The routed experts' output; with a shared expert made on the side stream,
+ * the shared expert's apart in @shared_out, for the residual add to sum;
+ * else added to the routed output. */
 static MoeTensor *
 moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, MoeTensor **shared_out, GError **error)
 {
@@ -1037,11 +1043,14 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, MoeTensor **
   };
 
   cudaStream_t stream = d->dev->stream;
-  /* a few rows: the shared expert (reading the same x) on the side stream,
-   * beside the router and the routed experts (one GEMV alone leaves the
-   * memory part idle: too few bytes in flight) */
-  const gboolean side = m->has_shared && d->side != NULL && rows <= d->gemv_rows;
-  g_autoptr(MoeTensor) gate = NULL, h = NULL, shared = NULL;
+  /* the shared expert (reading the same x) on the side stream, beside the
+   * router and the routed experts: for a few rows, GEMVs (one alone leaves
+   * the memory part idle: too few bytes in flight); for many, cuBLAS's
+   * GEMMs, bound by the tensor cores, beside the routed experts' GEMMs,
+   * bound by the weights' bytes at a prefill's rows an expert, and in the
+   * gaps of the routing's small kernels */
+  const gboolean side = m->has_shared && d->side != NULL;
+  g_autoptr(MoeTensor) gate = NULL, shared = NULL;
 
   if (w == NULL)
     return NULL;
@@ -1049,9 +1058,8 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, MoeTensor **
     {
       cudaEventRecord (d->fork, stream);
       cudaStreamWaitEvent (d->side, d->fork, 0);
-      if ((!m->shared_gated || (gate = project_on (d, d->side, &L->shared_gate, x, m->hidden, rows, FALSE, error))) &&
-          (h = gemv_gate_up (d, d->side, L, x, rows, error)))
-        shared = gemv_down (d, d->side, L, h, rows, NULL, gate, error);
+      if (!m->shared_gated || (gate = project_on (d, d->side, &L->shared_gate, x, m->hidden, rows, FALSE, error)))
+        shared = mlp (d, d->side, L, x, rows, NULL, gate, error);
       /* joined on every path: a capture must not end with a fork open */
       cudaEventRecord (d->join, d->side);
     }
@@ -1089,7 +1097,7 @@ moe_block (Decoder *d, guint li, MoeTensor *x, int rows, Trace *tr, MoeTensor **
   if (m->shared_gated && (gate = linear (d, &L->shared_gate, x, m->hidden, rows, error)) == NULL)
     return NULL;
   {
-    g_autoptr(MoeTensor) sum = mlp (d, L, x, rows, y, gate, error);
+    g_autoptr(MoeTensor) sum = mlp (d, stream, L, x, rows, y, gate, error);
     if (sum == NULL)
       return NULL;
   }
@@ -1127,7 +1135,7 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
       trace_mark (tr, d->dev->stream, PART_O);
       g_clear_object (&y);
       y = m->layer[li].is_moe ? moe_block (d, li, x, rows, tr, &y_shared, error)
-                              : mlp (d, L, x, rows, NULL, NULL, error);
+                              : mlp (d, d->dev->stream, L, x, rows, NULL, NULL, error);
       if (y == NULL)
         return FALSE;
       trace_mark (tr, d->dev->stream, PART_SHARED);
