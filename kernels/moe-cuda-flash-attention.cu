@@ -27,15 +27,38 @@ constexpr int BQ = 64;     /* queries a block: 16 per warp */
 constexpr int BK = 64;     /* keys a tile */
 constexpr float LOG2E = 1.4426950408889634f;
 
+/* Two floats rounded to the model dtype, packed (one conversion), and
+ * back as floats (bf16: bit shifts) */
 template <typename T>
 __device__ __forceinline__ unsigned
-pack2 (float lo, float hi)
+pack2_rn (float x0, float x1)
 {
-  T l = from_f<T> (lo), h = from_f<T> (hi);
-  unsigned short ul, uh;
-  memcpy (&ul, &l, 2);
-  memcpy (&uh, &h, 2);
-  return ul | (unsigned) uh << 16;
+  unsigned u;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    {
+      __nv_bfloat162 v = __floats2bfloat162_rn (x0, x1);
+      memcpy (&u, &v, 4);
+    }
+  else
+    {
+      __half2 v = __floats2half2_rn (x0, x1);
+      memcpy (&u, &v, 4);
+    }
+  return u;
+}
+
+template <typename T>
+__device__ __forceinline__ float2
+unpack2 (unsigned u)
+{
+  if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    return make_float2 (__uint_as_float (u << 16), __uint_as_float (u & 0xffff0000u));
+  else
+    {
+      __half2 v;
+      memcpy (&v, &u, 4);
+      return __half22float2 (v);
+    }
 }
 
 /* Elements d, d+1 of query t's head vector as one mma operand register
@@ -47,7 +70,7 @@ query_pair (const MoeCudaAttention &a, int b, int h, int t, int d)
   if (t >= a.n_tokens)
     return 0;
   const T *q = (const T *) a.q + (size_t) (b * a.n_tokens + t) * a.q_row_stride + (size_t) h * a.dk;
-  return pack2<T> (d < a.dk ? to_f (q[d]) : 0.0f, d + 1 < a.dk ? to_f (q[d + 1]) : 0.0f);
+  return pack2_rn<T> (d < a.dk ? to_f (q[d]) : 0.0f, d + 1 < a.dk ? to_f (q[d + 1]) : 0.0f);
 }
 
 /* exp2 on the special function unit (as SDPA kernels built with fast
@@ -130,29 +153,52 @@ head_view (const MoeCudaAttention &a, int b, int h, int t0, int nq, int tile)
   return v;
 }
 
-/* One tile's step of the online softmax, the same in both kernels: @s
- * holds the scores of this thread's two query rows @row (mma accumulator
- * layout: key octet n, keys 8n + 2c + {0, 1}, rows row[0] and row[1]) for
- * keys j0…; they are scaled (log2 units), masked where @mask says some key
- * of the tile may not be attended to, and turned into probabilities
- * against the running maxima @m; the row sums @l and the output @o are
- * rescaled to them. */
-template <int NB, int NO>
+/* Sets to -inf the scores of keys j0… that this thread's query rows @row
+ * may not attend to: past the keys, after the query (causal), padding, or
+ * out of the window. Only tiles that need it run this (the causal diagonal,
+ * the tile's end, padding, a window): a condition a score in every tile
+ * (branches around its loads of @valid) cost more than the rest of the
+ * softmax. */
+template <int NB>
 __device__ __forceinline__ void
-softmax_tile (const MoeCudaAttention &a, const uint8_t *valid, const KeyRange &k, int j0, const int row[2],
-              int c, bool mask, float scale, float s[NB][4], float o[NO][4], float m[2], float l[2])
+mask_scores (const MoeCudaAttention &a, const uint8_t *valid, const KeyRange &k, int j0, const int row[2], int c,
+             float s[NB][4])
 {
-  /* four partial maxima (and sums below) a row: short dependency chains */
-  float mx[2][4];
 #pragma unroll
   for (int n = 0; n < NB; n++)
 #pragma unroll
     for (int e = 0; e < 4; e++)
       {
         int j = j0 + n * 8 + 2 * c + (e & 1), qpos = k.past + row[e >> 1];
-        bool ok = !mask || (j < k.kend && j <= qpos && (valid == nullptr || valid[j]) &&
-                            (a.window == 0 || qpos - j < a.window));
-        s[n][e] = ok ? s[n][e] * scale : -INFINITY;
+        bool ok = j < k.kend && j <= qpos && (a.window == 0 || qpos - j < a.window);
+        if (valid != nullptr && ok)
+          ok = valid[j] != 0;
+        s[n][e] = ok ? s[n][e] : -INFINITY;
+      }
+}
+
+/* One tile's step of the online softmax, the same in both kernels: @s
+ * holds the scores of this thread's two query rows @row (mma accumulator
+ * layout: key octet n, keys 8n + 2c + {0, 1}, rows row[0] and row[1]) for
+ * keys j0…; they are masked where @mask says some key of the tile may not
+ * be attended to, scaled (log2 units) and turned into probabilities
+ * against the running maxima @m (in those units); the row sums @l and the
+ * output @o are rescaled to them. */
+template <int NB, int NO>
+__device__ __forceinline__ void
+softmax_tile (const MoeCudaAttention &a, const uint8_t *valid, const KeyRange &k, int j0, const int row[2],
+              int c, bool mask, float scale, float s[NB][4], float o[NO][4], float m[2], float l[2])
+{
+  if (mask)
+    mask_scores<NB> (a, valid, k, j0, row, c, s);
+  /* four partial maxima (and sums below) a row: short dependency chains;
+   * on the unscaled scores (scale > 0: the same order), scaled once */
+  float mx[2][4];
+#pragma unroll
+  for (int n = 0; n < NB; n++)
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+      {
         float &part = mx[e >> 1][(n % 2) * 2 + (e & 1)];
         part = n < 2 ? s[n][e] : fmaxf (part, s[n][e]);
       }
@@ -160,9 +206,10 @@ softmax_tile (const MoeCudaAttention &a, const uint8_t *valid, const KeyRange &k
 #pragma unroll
   for (int r = 0; r < 2; r++)
     {
-      float top = fmaxf (fmaxf (m[r], fmaxf (mx[r][0], mx[r][1])), fmaxf (mx[r][2], mx[r][3]));
+      float top = fmaxf (fmaxf (mx[r][0], mx[r][1]), fmaxf (mx[r][2], mx[r][3]));
       top = fmaxf (top, __shfl_xor_sync (0xffffffffu, top, 1));
       top = fmaxf (top, __shfl_xor_sync (0xffffffffu, top, 2));
+      top = fmaxf (m[r], top * scale);
       base[r] = top == -INFINITY ? 0.0f : top;   /* all masked so far: nothing to rescale */
       alpha[r] = exp2_fast (m[r] - base[r]);
       m[r] = top;
@@ -172,7 +219,7 @@ softmax_tile (const MoeCudaAttention &a, const uint8_t *valid, const KeyRange &k
 #pragma unroll
     for (int e = 0; e < 4; e++)
       {
-        s[n][e] = exp2_fast (s[n][e] - base[e >> 1]);
+        s[n][e] = exp2_fast (fmaf (s[n][e], scale, -base[e >> 1]));   /* -inf (masked): 0 */
         float &part = sum[e >> 1][(n % 2) * 2 + (e & 1)];
         part = n < 2 ? s[n][e] : part + s[n][e];
       }
@@ -197,9 +244,9 @@ probability_fragments (const float s[NB][4], int kk, unsigned hi[4], unsigned lo
   for (int q = 0; q < 4; q++)
     {
       const float *p = s[2 * kk + q / 2] + (q % 2) * 2;
-      float h0 = rnd<T> (p[0]), h1 = rnd<T> (p[1]);
-      hi[q] = pack2<T> (h0, h1);
-      lo[q] = pack2<T> (p[0] - h0, p[1] - h1);
+      hi[q] = pack2_rn<T> (p[0], p[1]);
+      float2 h = unpack2<T> (hi[q]);
+      lo[q] = pack2_rn<T> (p[0] - h.x, p[1] - h.y);
     }
 }
 
@@ -398,21 +445,28 @@ swizzled_bytes (int rows)
 }
 
 /* Starts copying @n rows (zeros past them, and past @d dims) of @d
- * elements @stride apart at @src into @rows rows of column blocks in the
- * 128-byte swizzle; d % 8 == 0 and 16-byte aligned rows. */
-template <typename T, int D>
+ * elements @stride apart at @src into ROWS rows of column blocks in the
+ * 128-byte swizzle; d % 8 == 0 and 16-byte aligned rows. A thread copies
+ * the same 16-byte chunk of every 32nd row: its swizzled place in a row is
+ * the same in all of them (8 divides 32), and its addresses step by
+ * constants. */
+template <typename T, int D, int ROWS>
 __device__ __forceinline__ void
-fetch_swizzled (unsigned char *dst, int rows, const T *src, size_t stride, int n, int d)
+fetch_swizzled (unsigned char *dst, const T *src, size_t stride, int n, int d)
 {
-  constexpr int C = D / 8;   /* 16-byte chunks a row */
+  constexpr int STEP = H_THREADS / 8;   /* rows a pass */
+  static_assert (ROWS % STEP == 0, "whole passes");
+  const int r0 = threadIdx.x / 8, ch = threadIdx.x % 8;
 
-#pragma unroll 4
-  for (int i = threadIdx.x; i < rows * C; i += H_THREADS)
-    {
-      int r = i / C, ch = i % C;
-      bool in = r < n && ch * 8 < d;
-      cp_async16 (dst + (ch / 8) * rows * 128 + swizzle128 (r, ch % 8), in ? src + r * stride + ch * 8 : src, in);
-    }
+#pragma unroll
+  for (int cb = 0; cb < D / 64; cb++)
+#pragma unroll
+    for (int u = 0; u < ROWS / STEP; u++)
+      {
+        const int r = r0 + u * STEP, col = (cb * 8 + ch) * 8;
+        const bool in = r < n && col < d;
+        cp_async16 (dst + cb * ROWS * 128 + swizzle128 (r, ch), in ? src + (size_t) r * stride + col : src, in);
+      }
 }
 
 /* An MN-major operand in the 128-byte swizzle: 64 columns a 128-byte row,
@@ -502,8 +556,8 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
   auto fetch = [&] (int i) {
     unsigned char *dst = stages + (i % S) * SB;
     int j0 = k.kbeg + i * HK, rows = min (HK, k.kend - j0);
-    fetch_swizzled<T, DK> (dst, HK, K + (size_t) j0 * a.dk, a.dk, rows, a.dk);
-    fetch_swizzled<T, DV> (dst + KB, HK, V + (size_t) j0 * a.dv, a.dv, rows, a.dv);
+    fetch_swizzled<T, DK, HK> (dst, K + (size_t) j0 * a.dk, a.dk, rows, a.dk);
+    fetch_swizzled<T, DV, HK> (dst + KB, V + (size_t) j0 * a.dv, a.dv, rows, a.dv);
     cp_async_arrive (&full[i % S]);
   };
 
@@ -514,7 +568,7 @@ flash_attention_wgmma_kernel (MoeCudaAttention a)
         mbar_init (&empty[i], H_THREADS);
       }
   __syncthreads ();
-  fetch_swizzled<T, DK> (qs, HQ, Q, a.q_row_stride, a.n_tokens - t0, a.dk);
+  fetch_swizzled<T, DK, HQ> (qs, Q, a.q_row_stride, a.n_tokens - t0, a.dk);
   for (int i = 0; i < S - 1 && i < n; i++)
     fetch (i);   /* full[0] covers the queries too */
 
