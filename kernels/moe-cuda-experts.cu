@@ -562,7 +562,7 @@ run_grouped_tc (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   auto k_gu = p.transposed ? grouped_gemm_tc<T, MODE_GATE_UP, false, C> : grouped_gemm_tc<T, MODE_GATE_UP, true, C>;
   auto k_dn = p.transposed ? grouped_gemm_tc<T, MODE_DOWN, false, C> : grouped_gemm_tc<T, MODE_DOWN, true, C>;
 
-  route<<<1, 1024, 0, s>>> (p.ids, S, E, C::BM, w.r);
+  launch_overlapped (route, 1, 1024, 0, s, p.ids, S, E, (int) C::BM, w.r, TileChoice ());
   cudaFuncSetAttribute (k_gu, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
   cudaFuncSetAttribute (k_dn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
   k_gu<<<m_slots * nt_gu, 256, C::SMEM, s>>> (p, w.r, (const T *) p.x, (T *) w.h, nt_gu);
@@ -603,7 +603,7 @@ run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, 
   const float *xs = nullptr, *hs = nullptr;
   const char *msg;
 
-  route<<<1, 1024, 0, s>>> (p.ids, S, E, WG_BM, w.r);
+  launch_overlapped (route, 1, 1024, 0, s, p.ids, S, E, (int) WG_BM, w.r, TileChoice ());
   if (FP8)
     {
       quantize_fp8<T><<<p.tokens, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs);
@@ -699,18 +699,28 @@ launch_tma (const void *kernel, long tiles, const void *a, int es, size_t a_rows
    * cluster of CTAs on as many SMs, as many as run at once, each taking
    * tiles (tile groups: CTAs a cluster) until they run out */
   int device, slots = 0;
-  cudaLaunchAttribute attr;
+  cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = {};
   const long groups = (tiles + C::CLUSTER - 1) / C::CLUSTER;
 
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = C::CLUSTER, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  /* overlapped with the kernel before (its blocks start as that one's
+   * leave; the kernel waits for it first: pdl_begin) */
+  cfg.attrs = attr;
+  if (pdl_enabled ())
+    {
+      attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[cfg.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+    }
+  if (C::CLUSTER > 1)
+    {
+      attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+      attr[cfg.numAttrs].val.clusterDim.x = C::CLUSTER, attr[cfg.numAttrs].val.clusterDim.y = 1;
+      attr[cfg.numAttrs++].val.clusterDim.z = 1;
+    }
   cfg.gridDim = dim3 (C::CLUSTER);
   cfg.blockDim = dim3 (C::THREADS);
   cfg.dynamicSmemBytes = C::SMEM;
   cfg.stream = s;
-  cfg.attrs = &attr;
-  cfg.numAttrs = C::CLUSTER > 1 ? 1 : 0;
   err = cudaFuncSetAttribute (kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
   if (err == cudaSuccess && C::CLUSTER == 1)
     err = cudaGetDevice (&device);
@@ -812,7 +822,7 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       q.up_scale = w.up_scale, q.down_scale = w.down_scale, q.scale_dtype = MOE_CUDA_F32;
       return run_grouped_tma<T, FP8, C, D, GATHER> (q, w, s, kc, kd);
     }
-  route<<<1, 1024, 0, s>>> (p.ids, S, E, C::BM, w.r, choice);
+  launch_overlapped (route, 1, 1024, 0, s, p.ids, S, E, (int) C::BM, w.r, choice);
   if (FP8)
     {
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs, true, w.r, E, p.top_k);
@@ -822,7 +832,7 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
     a = p.x;
   else
     {
-      gather_sorted<T><<<S, 256, 0, s>>> ((const T *) p.x, w.r, E, p.top_k, p.hidden, (T *) w.xg);
+      launch_overlapped (gather_sorted<T>, S, 256, 0, s, (const T *) p.x, w.r, E, p.top_k, p.hidden, (T *) w.xg);
       a = w.xg;
     }
   if ((msg = launch_tma_projection<C> (MODE_GATE_UP, kc, p, w, a, es, as, s)) != nullptr ||
@@ -950,7 +960,7 @@ run_grouped_simt (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   const int outs = p.has_gate ? SI_BN / 2 : SI_BN;
   const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + SI_BN - 1) / SI_BN;
 
-  route<<<1, 1024, 0, s>>> (p.ids, S, E, SI_BM, w.r);
+  launch_overlapped (route, 1, 1024, 0, s, p.ids, S, E, (int) SI_BM, w.r, TileChoice ());
   if constexpr (WF == MOE_CUDA_WEIGHTS_PLAIN)
     {
       grouped_gemm_simt<T, T, MODE_GATE_UP, WF><<<m_slots * nt_gu, 256, 0, s>>> (p, w.r, (const T *) p.x, (T *) w.h, nt_gu);

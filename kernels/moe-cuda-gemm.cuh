@@ -338,6 +338,8 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
   int *counts = E <= 1024 ? shared_counts[0] : r.counts, *cursor = E <= 1024 ? shared_counts[1] : r.cursor;
   int rows = 0, tiles = 0;
 
+  pdl_begin ();   /* launched overlapped: the ids are the kernels' before */
+
   for (int e = tid; e < E; e += n)
     counts[e] = 0, cursor[e] = 0;
   __syncthreads ();
@@ -1333,6 +1335,9 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
   Tile t;
   auto tile_at = [&] (int group) { return find_tile (r, p.num_experts, BM, group / n_tiles * CL + rank, &t); };
 
+  /* launched overlapped (launch_tma): route's and the gather's output are
+   * the kernels' before */
+  pdl_begin ();
   /* route sorted this call for the other tile height: its kernel runs it
    * (the same answer for every CTA of the cluster) */
   if (*r.tile_bm != BM)
@@ -1576,6 +1581,8 @@ __global__ void __launch_bounds__ (256)
 gather_sorted (const T *x, Route r, int E, int top_k, int H, T *dst)
 {
   const int row = blockIdx.x;
+
+  pdl_begin ();
   if (row >= r.offsets[E])
     return;
   const uint4 *src = (const uint4 *) (x + (size_t) (r.sorted_pair[row] / top_k) * H);
