@@ -561,7 +561,9 @@ typedef struct {
  * (events between marks) and on the host, by part of the stack, and how
  * evenly its MoE layers routed: the rows each expert got (what the grouped
  * GEMMs' m-tiles are cut from), from a copy of each layer's expert ids
- * (queued after the experts: it adds a few µs to "shared/dense"). */
+ * (queued after the experts: it adds a few µs to "shared/dense"). With the
+ * side stream, "experts" runs beside the shared expert, and "shared/dense"
+ * is only how long the shared expert outlasts the routed ones. */
 enum { PART_QKV, PART_ROPE_KV, PART_ATTEND, PART_O, PART_ROUTER, PART_EXPERTS, PART_SHARED, PART_HEAD, N_PARTS };
 static const char *part_names[N_PARTS] = {
   "norm+qkv", "rope+kv", "attend", "o+norm", "router", "experts", "shared/dense", "embed+head"
