@@ -10,10 +10,14 @@
 #   (on the GPU machine, with _gpu carried)  tools/gpu-run.sh test
 #
 # --candidate NAME builds this tree but keeps only its cuda plugin
-# (stripped, xz: ~2.6 MB), as _gpu/candidate-NAME.so.xz (its commit in
-# _gpu/candidate-NAME.commit), beside the bundle already there: several
+# (stripped, xz: ~4.3 MB), as _gpu/candidate-NAME.so.xz (its commit in
+# _gpu/candidate-NAME.commit), and the programs that link the kernels
+# themselves rather than load the plugin (test-cuda-attention,
+# test-cuda-rope, moe-bench-attention: ~2.2 MB) as
+# _gpu/candidate-NAME.bin.tar.xz, beside the bundle already there: several
 # changes (branches) tested and timed in one call (tools/gpu-run.sh test
-# NAME, compare). A new bundle drops the candidates, but the baseline:
+# NAME, compare, attention-compare). A new bundle drops the candidates, but
+# the baseline:
 #
 # --keep-baseline first keeps the cuda plugin of the bundle already there
 # as the candidate "baseline", for tools/gpu-run.sh compare: the code
@@ -31,21 +35,32 @@ case "${1:-}" in
     [ -f _gpu/bundle.tar.xz ] || { echo "no _gpu/bundle.tar.xz to add a candidate to" >&2; exit 1 ; } ;;
 esac
 
-# keep_plugin SO NAME COMMIT: SO stripped and compressed as candidate NAME
+# the programs that link the kernels themselves (not the plugin)
+KERNEL_PROGRAMS="test-cuda-attention test-cuda-rope moe-bench-attention"
+
+# keep_plugin SO BINDIR NAME COMMIT: SO stripped and compressed as candidate
+# NAME, with BINDIR's KERNEL_PROGRAMS
 keep_plugin () {
   plugin=$(mktemp)
   strip -o "$plugin" "$1"
-  xz -9e -c "$plugin" > "_gpu/candidate-$2.so.xz"
+  xz -9e -c "$plugin" > "_gpu/candidate-$3.so.xz"
   rm -f "$plugin"
-  echo "$3" > "_gpu/candidate-$2.commit"
-  echo "_gpu/candidate-$2.so.xz: the cuda plugin of commit $3"
+  bins=$(mktemp -d)
+  mkdir "$bins/bin"
+  for b in $KERNEL_PROGRAMS; do strip -o "$bins/bin/$b" "$2/$b"; done
+  tar -C "$bins" -cJf "_gpu/candidate-$3.bin.tar.xz" bin
+  rm -rf "$bins"
+  echo "$4" > "_gpu/candidate-$3.commit"
+  echo "_gpu/candidate-$3.so.xz (and .bin.tar.xz): the cuda plugin (and kernel programs) of commit $4"
 }
 
 if [ "${1:-}" = --keep-baseline ]; then
   [ -f _gpu/bundle.tar.xz ] || { echo "no _gpu/bundle.tar.xz to keep a baseline of" >&2; exit 1; }
   base=$(mktemp -d)
-  tar -C "$base" -xJf _gpu/bundle.tar.xz moe-gpu/plugins/libmoe-cuda.so
-  keep_plugin "$base/moe-gpu/plugins/libmoe-cuda.so" baseline "$(cat _gpu/commit 2>/dev/null || echo '?')"
+  tar -C "$base" -xJf _gpu/bundle.tar.xz moe-gpu/plugins/libmoe-cuda.so \
+    $(for b in $KERNEL_PROGRAMS; do echo "moe-gpu/bin/$b"; done)
+  keep_plugin "$base/moe-gpu/plugins/libmoe-cuda.so" "$base/moe-gpu/bin" baseline \
+    "$(cat _gpu/commit 2>/dev/null || echo '?')"
   rm -rf "$base"
 fi
 
@@ -62,7 +77,10 @@ ninja -C "$build" > "$build/bundle-ninja.log" 2>&1 || { tail -40 "$build/bundle-
 commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +)"
 
 if [ -n "$candidate" ]; then
-  keep_plugin "$build/plugins/cuda/libmoe-cuda.so" "$candidate" "$commit"
+  mkdir -p "$build/kernel-programs"
+  cp "$build/tests/gpu/test-cuda-attention" "$build/tests/gpu/test-cuda-rope" "$build/tools/moe-bench-attention" \
+     "$build/kernel-programs/"
+  keep_plugin "$build/plugins/cuda/libmoe-cuda.so" "$build/kernel-programs" "$candidate" "$commit"
   exit 0
 fi
 

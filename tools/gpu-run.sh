@@ -15,6 +15,10 @@
 #   tools/gpu-run.sh attention-bench [ARGS]
 #                                   moe-bench-attention ARGS: the two prefill
 #                                   flash-attention kernels side by side
+#   tools/gpu-run.sh attention-compare [ARGS]
+#                                   the same with the baseline's and each
+#                                   candidate's kernels, then this bundle's,
+#                                   twice (default ARGS: -t 512,2048,8192)
 #   tools/gpu-run.sh model-bench [ARGS]
 #                                   tools/bench-model-cuda.py ARGS (a whole
 #                                   model, beside transformers)
@@ -69,19 +73,40 @@ export MOE_PLUGIN_PATH="$root/plugins" MOE_PLUGIN_SYSTEM_PATH= MOE_TEST_DATA="$P
 export G_DEBUG=gc-friendly MALLOC_CHECK_=2
 echo "bundle of commit $(cat _gpu/commit 2>/dev/null || echo '?')"
 
-# plugins_of SIDE: the plugin folder with SIDE's cuda plugin: "this" (the
-# bundle's) or a candidate's NAME ("baseline": --keep-baseline's)
-plugins_of () {
-  [ "$1" = this ] && { echo "$root/plugins"; return; }
+# side_of SIDE: the folder of SIDE's plugins/ (its cuda plugin) and bin/
+# (the programs that link the kernels themselves; the bundle's where a
+# candidate has none): "this" (the bundle's) or a candidate's NAME
+# ("baseline": --keep-baseline's)
+side_of () {
+  [ "$1" = this ] && { echo "$root"; return; }
   src=_gpu/candidate-$1.so.xz dir=/tmp/moe-side-$1
   [ -f "$src" ] || { echo "no $src" >&2; return 1; }
   # unpacked once for this candidate file (a new bundle removes the folder)
-  cstamp=$(cksum < "$src") || return 1
+  cstamp=$(cat "$src" "_gpu/candidate-$1.bin.tar.xz" 2>/dev/null | cksum) || return 1
   if [ "$(cat "$dir/.candidate" 2>/dev/null)" != "$cstamp" ]; then
-    rm -rf "$dir" && mkdir -p "$dir" && cp -r "$root/plugins" "$dir/" &&
-      xz -dc "$src" > "$dir/plugins/libmoe-cuda.so" && echo "$cstamp" > "$dir/.candidate" || return 1
+    rm -rf "$dir" && mkdir -p "$dir" && cp -r "$root/plugins" "$root/bin" "$dir/" &&
+      xz -dc "$src" > "$dir/plugins/libmoe-cuda.so" || return 1
+    if [ -f "_gpu/candidate-$1.bin.tar.xz" ]; then
+      tar -C "$dir" -xJf "_gpu/candidate-$1.bin.tar.xz" || return 1
+    fi
+    echo "$cstamp" > "$dir/.candidate"
   fi
+  echo "$dir"
+}
+
+plugins_of () {
+  dir=$(side_of "$1") || return 1
   echo "$dir/plugins"
+}
+
+# the candidates' names, the baseline first (the comparisons' reference)
+candidates () {
+  [ -f _gpu/candidate-baseline.so.xz ] && echo baseline
+  for c in _gpu/candidate-*.so.xz; do
+    c=${c#_gpu/candidate-}
+    c=${c%.so.xz}
+    [ -f "_gpu/candidate-$c.so.xz" ] && [ "$c" != baseline ] && echo "$c"
+  done
 }
 
 commit_of () {
@@ -95,15 +120,16 @@ case "$what" in
     side=${1:-this}
     [ $# -gt 0 ] && shift
     tests=${*:-test-cuda-experts test-cuda-model test-cuda-attention test-cuda-rope test-experts}
-    MOE_PLUGIN_PATH=$(plugins_of "$side") || exit 1
+    dir=$(side_of "$side") || exit 1
+    MOE_PLUGIN_PATH=$dir/plugins
     export MOE_PLUGIN_PATH
     prefix=
     [ "$side" = this ] || { prefix=$side-; echo "the cuda plugin of candidate $side ($(commit_of "$side"))"; }
     passed=0 failed=0 skipped=0
     for t in $tests; do
       # a bundle of a tree before the test has none: counted as skipped
-      [ -x "$root/bin/$t" ] || { echo "$t: SKIP (not in this bundle)"; skipped=$((skipped + 1)); continue; }
-      "$root/bin/$t" --tap > "/tmp/$t.log" 2>&1
+      [ -x "$dir/bin/$t" ] || { echo "$t: SKIP (not in this bundle)"; skipped=$((skipped + 1)); continue; }
+      "$dir/bin/$t" --tap > "/tmp/$t.log" 2>&1
       rc=$?
       grep -E '^(not )?ok ' "/tmp/$t.log" | grep -v '^ok ' || true
       n_ok=$(grep -c -E '^ok ' "/tmp/$t.log")
@@ -123,13 +149,7 @@ case "$what" in
     [ $failed -eq 0 ] && [ $passed -gt 0 ]
     ;;
   compare|compare-experts)
-    sides=
-    [ -f _gpu/candidate-baseline.so.xz ] && sides=baseline   # first: the table's reference
-    for c in _gpu/candidate-*.so.xz; do
-      c=${c#_gpu/candidate-}
-      c=${c%.so.xz}
-      [ -f "_gpu/candidate-$c.so.xz" ] && [ "$c" != baseline ] && sides="$sides $c"
-    done
+    sides=$(candidates)
     [ -n "$sides" ] || { echo "nothing to compare with (tools/gpu-bundle.sh --keep-baseline or --candidate NAME)" >&2; exit 1; }
     if [ "$what" = compare ]; then
       [ $# -gt 0 ] || set -- -m /tmp/qwen1.5-moe-a2.7b-random --device cuda -d bfloat16 -s 16 -r 2 -p 2048 -b 1,8
@@ -168,6 +188,16 @@ for line in sys.stdin:
   attention-bench)
     exec "$root/bin/moe-bench-attention" "$@"
     ;;
+  attention-compare)
+    [ $# -gt 0 ] || set -- -t 512,2048,8192
+    for round in 1 2; do
+      for side in $(candidates) this; do
+        dir=$(side_of "$side") || exit 1
+        echo "== $side ($(commit_of "$side")), round $round"
+        "$dir/bin/moe-bench-attention" "$@" | grep -E '^\|' || exit 1
+      done
+    done
+    ;;
   model-bench)
     PYTHONUNBUFFERED=1 exec python3 tools/bench-model-cuda.py --libmoe-bench "$root/bin/moe-bench-model" "$@"
     ;;
@@ -181,5 +211,5 @@ for line in sys.stdin:
     python3 tools/ncu-summary.py /tmp/ncu.csv ${PROFILE_TAIL:-0}
     ;;
   *)
-    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | model-bench [ARGS] | profile [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | attention-compare [ARGS] | model-bench [ARGS] | profile [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac
