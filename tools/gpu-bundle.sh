@@ -38,20 +38,22 @@ esac
 # the programs that link the kernels themselves (not the plugin)
 KERNEL_PROGRAMS="test-cuda-attention test-cuda-rope moe-bench-attention"
 
-# keep_plugin SO BINDIR NAME COMMIT: SO stripped and compressed as candidate
-# NAME, with BINDIR's KERNEL_PROGRAMS
+# keep_plugin SO NAME COMMIT PROGRAM…: SO stripped and compressed as
+# candidate NAME, with the programs (KERNEL_PROGRAMS' paths)
 keep_plugin () {
   plugin=$(mktemp)
   strip -o "$plugin" "$1"
-  xz -9e -c "$plugin" > "_gpu/candidate-$3.so.xz"
+  xz -9e -c "$plugin" > "_gpu/candidate-$2.so.xz"
   rm -f "$plugin"
+  name=$2 commit=$3
+  shift 3
   bins=$(mktemp -d)
   mkdir "$bins/bin"
-  for b in $KERNEL_PROGRAMS; do strip -o "$bins/bin/$b" "$2/$b"; done
-  tar -C "$bins" -cJf "_gpu/candidate-$3.bin.tar.xz" bin
+  for b in "$@"; do strip -o "$bins/bin/$(basename "$b")" "$b"; done
+  tar -C "$bins" -cJf "_gpu/candidate-$name.bin.tar.xz" bin
   rm -rf "$bins"
-  echo "$4" > "_gpu/candidate-$3.commit"
-  echo "_gpu/candidate-$3.so.xz (and .bin.tar.xz): the cuda plugin (and kernel programs) of commit $4"
+  echo "$commit" > "_gpu/candidate-$name.commit"
+  echo "_gpu/candidate-$name.so.xz (and .bin.tar.xz): the cuda plugin (and kernel programs) of commit $commit"
 }
 
 if [ "${1:-}" = --keep-baseline ]; then
@@ -59,8 +61,8 @@ if [ "${1:-}" = --keep-baseline ]; then
   base=$(mktemp -d)
   tar -C "$base" -xJf _gpu/bundle.tar.xz moe-gpu/plugins/libmoe-cuda.so \
     $(for b in $KERNEL_PROGRAMS; do echo "moe-gpu/bin/$b"; done)
-  keep_plugin "$base/moe-gpu/plugins/libmoe-cuda.so" "$base/moe-gpu/bin" baseline \
-    "$(cat _gpu/commit 2>/dev/null || echo '?')"
+  keep_plugin "$base/moe-gpu/plugins/libmoe-cuda.so" baseline "$(cat _gpu/commit 2>/dev/null || echo '?')" \
+    $(for b in $KERNEL_PROGRAMS; do echo "$base/moe-gpu/bin/$b"; done)
   rm -rf "$base"
 fi
 
@@ -77,10 +79,8 @@ ninja -C "$build" > "$build/bundle-ninja.log" 2>&1 || { tail -40 "$build/bundle-
 commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +)"
 
 if [ -n "$candidate" ]; then
-  mkdir -p "$build/kernel-programs"
-  cp "$build/tests/gpu/test-cuda-attention" "$build/tests/gpu/test-cuda-rope" "$build/tools/moe-bench-attention" \
-     "$build/kernel-programs/"
-  keep_plugin "$build/plugins/cuda/libmoe-cuda.so" "$build/kernel-programs" "$candidate" "$commit"
+  keep_plugin "$build/plugins/cuda/libmoe-cuda.so" "$candidate" "$commit" \
+    "$build/tests/gpu/test-cuda-attention" "$build/tests/gpu/test-cuda-rope" "$build/tools/moe-bench-attention"
   exit 0
 fi
 
