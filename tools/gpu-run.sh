@@ -41,7 +41,8 @@
 #                                   this bundle's in turn, twice: the same
 #                                   machine's figures side by side, then as
 #                                   a table (tools/compare-summary.py); run
-#                                   model-bench first
+#                                   model-bench first; SIDES="NAME… [this]":
+#                                   only these sides (also attention-compare)
 #   tools/gpu-run.sh compare-experts [ARGS]
 #                                   the same for moe-bench-cuda-experts ARGS
 #                                   (default: qwen1.5-moe's layer, grouped_mm,
@@ -99,14 +100,24 @@ plugins_of () {
   echo "$dir/plugins"
 }
 
-# the candidates' names, the baseline first (the comparisons' reference)
+# the candidates' names, the baseline first (the comparisons' reference);
+# SIDES="NAME…": only these (and "this" only if named there)
 candidates () {
+  if [ -n "${SIDES:-}" ]; then
+    for c in $SIDES; do [ "$c" != this ] && echo "$c"; done
+    return
+  fi
   [ -f _gpu/candidate-baseline.so.xz ] && echo baseline
   for c in _gpu/candidate-*.so.xz; do
     c=${c#_gpu/candidate-}
     c=${c%.so.xz}
     [ -f "_gpu/candidate-$c.so.xz" ] && [ "$c" != baseline ] && echo "$c"
   done
+}
+
+# "this" (the bundle's own side) unless SIDES leaves it out
+this_side () {
+  case " ${SIDES:-this} " in *" this "*) echo this ;; esac
 }
 
 commit_of () {
@@ -157,7 +168,7 @@ case "$what" in
       [ $# -gt 0 ] || set -- -s 2048,1408,60,4 -t 2048,16384 -b grouped_mm --batches 3
     fi
     for round in 1 2; do
-      for side in $sides this; do
+      for side in $sides $(this_side); do
         plugins=$(plugins_of "$side") || exit 1
         echo "== $side ($(commit_of "$side")), round $round"
         if [ "$what" = compare ]; then
@@ -191,7 +202,7 @@ for line in sys.stdin:
   attention-compare)
     [ $# -gt 0 ] || set -- -t 512,2048,8192
     for round in 1 2; do
-      for side in $(candidates) this; do
+      for side in $(candidates) $(this_side); do
         dir=$(side_of "$side") || exit 1
         echo "== $side ($(commit_of "$side")), round $round"
         "$dir/bin/moe-bench-attention" "$@" | grep -E '^\|' || exit 1
