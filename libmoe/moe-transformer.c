@@ -1174,6 +1174,28 @@ attend (MoeTransformer *m, MoeKvCache *cache, guint layer, const Step *st, const
       }
 }
 
+/* attend() for every query row, or (@last_rows) for each sequence's last
+ * only, into out [B, heads, dv]: a prompt that generates wants no other
+ * row's output from the last layer */
+static void
+attend_rows (MoeTransformer *m, MoeKvCache *cache, guint layer, const Step *st, gboolean last_rows, const float *q,
+             float *out)
+{
+  gsize width = (gsize) m->heads * key_dim (m);
+  Step last = { st->B, 1, st->past + st->T - 1, NULL, st->key_valid };
+  g_autofree float *q_last = NULL;
+
+  if (!last_rows)
+    {
+      attend (m, cache, layer, st, q, out);
+      return;
+    }
+  q_last = g_new (float, st->B * width);
+  for (guint b = 0; b < st->B; b++)
+    memcpy (q_last + b * width, q + ((gsize) b * st->T + st->T - 1) * width, width * sizeof (float));
+  attend (m, cache, layer, &last, q_last, out);
+}
+
 static void
 store_kv (MoeKvCache *cache, guint layer, const Step *st, guint b, guint t, guint head,
           const float *k, const float *v)
@@ -1186,8 +1208,12 @@ store_kv (MoeKvCache *cache, guint layer, const Step *st, guint b, guint t, guin
   memcpy (cache->v[layer] + slot * dv, v, dv * sizeof (float));
 }
 
+/* q/k/v, RoPE, the KV-cache write and the attention of x's rows, then o
+ * into out; with @last_rows only each sequence's last row asks (out: B
+ * rows), though every row's keys and values go to the cache */
 static void
-attention_gqa (MoeTransformer *m, MoeKvCache *cache, guint li, const Step *st, const float *x, float *out)
+attention_gqa (MoeTransformer *m, MoeKvCache *cache, guint li, const Step *st, gboolean last_rows, const float *x,
+               float *out)
 {
   const Layer *L = &m->layer[li];
   gsize rows = (gsize) st->B * st->T, hd = m->head_dim;
@@ -1233,15 +1259,16 @@ attention_gqa (MoeTransformer *m, MoeKvCache *cache, guint li, const Step *st, c
             store_kv (cache, li, st, b, t, h, k + r * kn + h * hd, v + r * kn + h * hd);
           }
       }
-  attend (m, cache, li, st, q, a);
-  linear (m, &L->o, a, rows, out);
+  attend_rows (m, cache, li, st, last_rows, q, a);
+  linear (m, &L->o, a, last_rows ? st->B : rows, out);
 }
 
 /* DeepSeek's multi-head latent attention: queries through a low-rank
  * projection, keys and values expanded from a shared compressed latent;
  * RoPE only on the last qk_rope_head_dim dims of each head. */
 static void
-attention_mla (MoeTransformer *m, MoeKvCache *cache, guint li, const Step *st, const float *x, float *out)
+attention_mla (MoeTransformer *m, MoeKvCache *cache, guint li, const Step *st, gboolean last_rows, const float *x,
+               float *out)
 {
   const Layer *L = &m->layer[li];
   gsize rows = (gsize) st->B * st->T;
@@ -1289,8 +1316,18 @@ attention_mla (MoeTransformer *m, MoeKvCache *cache, guint li, const Step *st, c
             store_kv (cache, li, st, b, t, h, key, kvh + nope);
           }
       }
-  attend (m, cache, li, st, q, a);
-  linear (m, &L->o, a, rows, out);
+  attend_rows (m, cache, li, st, last_rows, q, a);
+  linear (m, &L->o, a, last_rows ? st->B : rows, out);
+}
+
+/* h's [batch, n_tokens, width] rows → each sequence's last, in place (row
+ * b moves up from b·n_tokens + n_tokens − 1 ≥ b); returns batch */
+static gsize
+keep_last_rows (float *h, guint batch, guint n_tokens, gsize width)
+{
+  for (guint b = 0; b < batch; b++)
+    memmove (h + (gsize) b * width, h + ((gsize) b * n_tokens + n_tokens - 1) * width, width * sizeof (float));
+  return batch;
 }
 
 static void
@@ -1553,12 +1590,20 @@ _moe_transformer_forward (MoeTransformer *m,
   for (guint li = 0; li < m->layers; li++)
     {
       const Layer *L = &m->layer[li];
+      /* Where only each sequence's last row makes logits, the last layer
+       * after its keys and values runs on those rows alone: nothing reads
+       * the other rows' output (each row's results are its own) */
+      const gboolean last_rows = last_only && li + 1 == m->layers && rows > batch;
 
       rms_norm (m, h, rows, H, H, L->input_norm, x);
       if (m->family == FAMILY_DEEPSEEK_V3)
-        attention_mla (m, cache, li, &st, x, y);
+        attention_mla (m, cache, li, &st, last_rows, x, y);
       else
-        attention_gqa (m, cache, li, &st, x, y);
+        attention_gqa (m, cache, li, &st, last_rows, x, y);
+      if (last_rows)
+        {
+          rows = keep_last_rows (h, batch, n_tokens, H);
+        }
       for (gsize i = 0; i < rows * H; i++)
         h[i] = moe_cpu_round_to (h[i] + y[i], m->dtype);
 
@@ -1576,23 +1621,17 @@ _moe_transformer_forward (MoeTransformer *m,
   cache->length += n_tokens;
 
   {
-    const float *src = h;
-    gsize out_rows = rows;
-    g_autofree float *last = NULL;
     Linear head = { m->lm_head, NULL };
 
-    if (last_only)
+    if (last_only && rows != batch)
       {
-        last = g_new (float, (gsize) batch * H);
-        for (guint b = 0; b < batch; b++)
-          memcpy (last + (gsize) b * H, h + ((gsize) b * n_tokens + n_tokens - 1) * H, H * sizeof (float));
-        src = last;
-        out_rows = batch;
+        rows = keep_last_rows (h, batch, n_tokens, H);   /* a model of no layers */
       }
-    rms_norm (m, src, out_rows, H, H, m->final_norm, x);
-    linear (m, &head, x, out_rows, logits);
+
+    rms_norm (m, h, rows, H, H, m->final_norm, x);
+    linear (m, &head, x, rows, logits);
     if (tokens != NULL)
-      for (gsize r = 0; r < out_rows; r++)
+      for (gsize r = 0; r < rows; r++)
         tokens[r] = _moe_greedy_token (logits + r * m->vocab, m->vocab);
   }
   return TRUE;
