@@ -251,22 +251,18 @@ main (int    argc,
 
       if (ids == NULL)
         goto fail;
-      if (!opt_generate_only)
+      /* the forward (all logits; max_new 0), then the generation of one token */
+      for (int max_new = opt_generate_only ? 1 : 0; max_new <= 1; max_new++)
         {
-          if (!measure (model, ids, 0, &s, &error))
+          if (!measure (model, ids, max_new, &s, &error))
             goto fail;
-          printf ("prefill P=%d tok/s=%.1f ms=%.2f\n", opt_prefill, opt_prefill / s, s * 1e3);
+          printf ("%s P=%d tok/s=%.1f ms=%.2f\n", max_new ? "prefill-generate" : "prefill", opt_prefill,
+                  opt_prefill / s, s * 1e3);
           fflush (stdout);
-          g_array_append_val (rows, ((Row) { g_strdup_printf ("prefill P=%d (forward, all logits)", opt_prefill),
+          g_array_append_val (rows, ((Row) { g_strdup_printf ("prefill P=%d (%s)", opt_prefill,
+                                                              max_new ? "generate 1 token" : "forward, all logits"),
                                              opt_prefill / s, s * 1e3, g_strdup ("ms") }));
         }
-
-      if (!measure (model, ids, 1, &s, &error))
-        goto fail;
-      printf ("prefill-generate P=%d tok/s=%.1f ms=%.2f\n", opt_prefill, opt_prefill / s, s * 1e3);
-      fflush (stdout);
-      g_array_append_val (rows, ((Row) { g_strdup_printf ("prefill P=%d (generate 1 token)", opt_prefill),
-                                         opt_prefill / s, s * 1e3, g_strdup ("ms") }));
     }
 
   for (guint i = 0; i < batches->len; i++)
