@@ -1601,9 +1601,7 @@ _moe_transformer_forward (MoeTransformer *m,
       else
         attention_gqa (m, cache, li, &st, last_rows, x, y);
       if (last_rows)
-        {
-          rows = keep_last_rows (h, batch, n_tokens, H);
-        }
+        rows = keep_last_rows (h, batch, n_tokens, H);
       for (gsize i = 0; i < rows * H; i++)
         h[i] = moe_cpu_round_to (h[i] + y[i], m->dtype);
 
@@ -1624,10 +1622,7 @@ _moe_transformer_forward (MoeTransformer *m,
     Linear head = { m->lm_head, NULL };
 
     if (last_only && rows != batch)
-      {
-        rows = keep_last_rows (h, batch, n_tokens, H);   /* a model of no layers */
-      }
-
+      rows = keep_last_rows (h, batch, n_tokens, H);   /* a model of no layers */
     rms_norm (m, h, rows, H, H, m->final_norm, x);
     linear (m, &head, x, rows, logits);
     if (tokens != NULL)
