@@ -35,8 +35,9 @@ case "${1:-}" in
     [ -f _gpu/bundle.tar.xz ] || { echo "no _gpu/bundle.tar.xz to add a candidate to" >&2; exit 1 ; } ;;
 esac
 
-# the programs that link the kernels themselves (not the plugin)
-KERNEL_PROGRAMS="test-cuda-attention test-cuda-rope moe-bench-attention"
+# the programs that link the kernels themselves (not the plugin), by
+# their paths in the build; the bundle has them in bin/
+KERNEL_PROGRAMS="tests/gpu/test-cuda-attention tests/gpu/test-cuda-rope tools/moe-bench-attention"
 
 # keep_plugin SO NAME COMMIT PROGRAM…: SO stripped and compressed as
 # candidate NAME, with the programs (KERNEL_PROGRAMS' paths)
@@ -60,9 +61,9 @@ if [ "${1:-}" = --keep-baseline ]; then
   [ -f _gpu/bundle.tar.xz ] || { echo "no _gpu/bundle.tar.xz to keep a baseline of" >&2; exit 1; }
   base=$(mktemp -d)
   tar -C "$base" -xJf _gpu/bundle.tar.xz moe-gpu/plugins/libmoe-cuda.so \
-    $(for b in $KERNEL_PROGRAMS; do echo "moe-gpu/bin/$b"; done)
+    $(for b in $KERNEL_PROGRAMS; do echo "moe-gpu/bin/${b##*/}"; done)
   keep_plugin "$base/moe-gpu/plugins/libmoe-cuda.so" baseline "$(cat _gpu/commit 2>/dev/null || echo '?')" \
-    $(for b in $KERNEL_PROGRAMS; do echo "$base/moe-gpu/bin/$b"; done)
+    $(for b in $KERNEL_PROGRAMS; do echo "$base/moe-gpu/bin/${b##*/}"; done)
   rm -rf "$base"
 fi
 
@@ -80,7 +81,7 @@ commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +)"
 
 if [ -n "$candidate" ]; then
   keep_plugin "$build/plugins/cuda/libmoe-cuda.so" "$candidate" "$commit" \
-    "$build/tests/gpu/test-cuda-attention" "$build/tests/gpu/test-cuda-rope" "$build/tools/moe-bench-attention"
+    $(for b in $KERNEL_PROGRAMS; do echo "$build/$b"; done)
   exit 0
 fi
 

@@ -444,11 +444,12 @@ cuda_type (int dtype)
 }
 
 /* y [rows, out] = x [rows, in] (rows @ldx elements apart) · Wᵀ (+ bias) on
- * @stream (the device's or the side stream), as torch's linear: float32 accumulation, the bias
- * added before the one rounding to the model dtype, in cuBLASLt's epilogue
- * (torch's addmm on CUDA), or where that has no algorithm, y starts as the
- * bias and cublasGemmEx adds to it (beta = 1). @accumulate (no bias): y +=
- * x · Wᵀ, also one rounding. @f32: y is float32, unrounded. */
+ * @stream (the device's or the side stream), as torch's linear: float32
+ * accumulation, the bias added before the one rounding to the model dtype,
+ * in cuBLASLt's epilogue (torch's addmm on CUDA), or where that has no
+ * algorithm, y starts as the bias and cublasGemmEx adds to it (beta = 1).
+ * @accumulate (no bias): y += x · Wᵀ, also one rounding. @f32: y is
+ * float32, unrounded. */
 static gboolean
 gemm (Decoder *d, cudaStream_t stream, const DevLinear *lin, MoeTensor *x, int ldx, int rows, gboolean f32,
       MoeTensor *y, gboolean accumulate, GError **error)
