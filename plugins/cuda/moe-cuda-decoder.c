@@ -48,6 +48,7 @@ typedef struct {
   int                   attention_split;  /* decode over more keys: blocks of this many (MOE_CUDA_ATTENTION_SPLIT; 0: one) */
   gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
   gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
+  gboolean              trim_last;   /* the last layer on the rows that make logits only (MOE_CUDA_TRIM_LAST=0: never) */
   /* the shared expert runs here, beside the router and the routed experts,
    * its GEMMs on a cuBLAS handle of its own (a handle's workspace is not
    * for two streams at once); NULL: all on the device's stream
@@ -251,6 +252,7 @@ moe_cuda_decoder_new (MoeDevice      *device,
   d->lt = g_strcmp0 (g_getenv ("MOE_CUDA_CUBLASLT"), "0") != 0 && moe_cuda_device_prepare_lt (d->dev);
   d->trace = g_getenv ("MOE_CUDA_TRACE") != NULL;
   d->graphs = g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 && !d->trace;
+  d->trim_last = g_strcmp0 (g_getenv ("MOE_CUDA_TRIM_LAST"), "0") != 0;
   if (m->has_shared && g_strcmp0 (g_getenv ("MOE_CUDA_SIDE_STREAM"), "0") != 0 &&
       (cudaStreamCreateWithFlags (&d->side, cudaStreamNonBlocking) != cudaSuccess ||
        cudaEventCreateWithFlags (&d->fork, cudaEventDisableTiming) != cudaSuccess ||
@@ -796,15 +798,18 @@ attend_gemm (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride
   return TRUE;
 }
 
+/* The attention of @s's query rows, each @q_row_stride elements apart
+ * from @q_offset in @q, over the keys and values in the cache */
 static MoeTensor *
-attend (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int dk, int dv, GError **error)
+attend (Decoder *d, const Step *s, guint li, MoeTensor *q, gsize q_offset, int q_row_stride, int dk, int dv,
+        GError **error)
 {
   const MoeTransformer *m = d->m;
   g_autoptr(MoeTensor) out = new_act (d, s->rows, (gint64) m->heads * dv, error), partial = NULL;
   MoeCudaAttention a = {
     .dtype = d->dtype, .batch = s->st->batch, .n_tokens = s->st->n_tokens, .past = s->past,
     .heads = m->heads, .kv_heads = m->kv_heads, .dk = dk, .dv = dv,
-    .q = out ? DATA (q) : NULL, .q_row_stride = q_row_stride,
+    .q = out ? (const char *) DATA (q) + q_offset * d->elem : NULL, .q_row_stride = q_row_stride,
     .k_cache = out ? DATA (s->cache->k[li]) : NULL, .v_cache = out ? DATA (s->cache->v[li]) : NULL,
     .capacity = s->cache->capacity,
     .past_dev = s->past_dev ? DATA (s->past_dev) : NULL, .max_len = s->cache->capacity,
@@ -856,8 +861,11 @@ rope (Decoder *d, const Step *s, MoeTensor *x, gsize offset, int heads, int row_
                  d->dev->stream);
 }
 
+/* q/k/v, the KV-cache write and the attention of @x's rows, then o; with
+ * @last_rows only each sequence's last row asks (every row's keys and
+ * values still go to the cache), and o's rows are those */
 static MoeTensor *
-attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error)
+attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, gboolean last_rows, GError **error)
 {
   const MoeTransformer *m = d->m;
   const DevLayer *L = &d->layer[li];
@@ -902,7 +910,21 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
                          OPT (s->past_dev), stream);
     }
   trace_mark (s->trace, stream, PART_ROPE_KV);
-  a = attend (d, s, li, qkv, n, hd, hd, error);
+  if (last_rows)
+    {
+      /* one query a sequence, at its last position, over all its keys */
+      MoeDecoderStep last_st = *s->st;
+      Step last = *s;
+      int T = (int) s->st->n_tokens;
+
+      last_st.n_tokens = 1;
+      last.st = &last_st;
+      last.past = s->past + T - 1;
+      last.rows = rows = (int) s->st->batch;
+      a = attend (d, &last, li, qkv, (gsize) (T - 1) * n, T * n, hd, hd, error);
+    }
+  else
+    a = attend (d, s, li, qkv, 0, n, hd, hd, error);
   trace_mark (s->trace, stream, PART_ATTEND);
   return a ? linear (d, &L->o, a, qn, rows, error) : NULL;
 }
@@ -941,7 +963,7 @@ attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
                      (char *) DATA (kv) + (gsize) nope * d->elem, m->heads * kvb, kvb, dv,
                      DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
                      OPT (s->past_dev), d->dev->stream);
-  a = attend (d, s, li, q, m->heads * qk, qk, dv, error);
+  a = attend (d, s, li, q, 0, m->heads * qk, qk, dv, error);
   return a ? linear (d, &L->o, a, m->heads * dv, rows, error) : NULL;
 }
 
@@ -1117,6 +1139,13 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
   Trace *tr = s->trace;
   int rows = s->rows, H = m->hidden, out_rows = st->last_only ? (int) st->batch : rows;
   g_autoptr(MoeTensor) h = NULL, x = NULL, y = NULL, y_shared = NULL, xf = NULL, logits = NULL;
+  /* Where only each sequence's last row makes logits (a prompt that
+   * generates), the last layer after its keys and values runs on those
+   * rows alone: nothing reads the other rows' output (llama.cpp trims the
+   * same way; per-row results do not change). Not for MLA yet, nor in a
+   * graph (decode steps have one row a sequence anyway). */
+  const gboolean trim_last = st->last_only && rows > out_rows && s->past_dev == NULL &&
+                             m->family != FAMILY_DEEPSEEK_V3 && d->trim_last;
 
   if ((h = new_act (d, rows, H, error)) == NULL || (x = new_act (d, rows, H, error)) == NULL)
     return FALSE;
@@ -1131,9 +1160,27 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
       /* the previous layer's residual add, fused with this norm */
       norm_groups (d, h, 0, y, y_shared, rows, H, 1, 0, H, L->input_norm, x, 0, H);
       g_clear_object (&y_shared);
-      a = m->family == FAMILY_DEEPSEEK_V3 ? attention_mla (d, s, li, x, error) : attention_gqa (d, s, li, x, error);
+      a = m->family == FAMILY_DEEPSEEK_V3 ? attention_mla (d, s, li, x, error)
+                                          : attention_gqa (d, s, li, x, trim_last && li + 1 == m->layers, error);
       if (a == NULL)
         return FALSE;
+      if (trim_last && li + 1 == m->layers)
+        {
+          /* the residual stream's last rows, and only they from here on */
+          g_autoptr(MoeTensor) last = new_act (d, out_rows, H, error);
+          gsize row_bytes = (gsize) H * d->elem;
+
+          if (last == NULL ||
+              !moe_cuda_check (cudaMemcpy2DAsync (DATA (last), row_bytes,
+                                                  (const char *) DATA (h) + (st->n_tokens - 1) * row_bytes,
+                                                  st->n_tokens * row_bytes, row_bytes, out_rows,
+                                                  cudaMemcpyDeviceToDevice, d->dev->stream),
+                               "the last rows of the residual stream", error))
+            return FALSE;
+          g_object_unref (h);
+          h = g_steal_pointer (&last);
+          rows = out_rows;
+        }
       norm (d, h, 0, a, rows, H, H, L->post_norm, x, 0, H);
       trace_mark (tr, d->dev->stream, PART_O);
       g_clear_object (&y);
@@ -1147,7 +1194,7 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
   /* the last residual add and the final norm, on the rows that make logits */
   if ((xf = new_act (d, out_rows, H, error)) == NULL)
     return FALSE;
-  if (st->last_only)
+  if (rows != out_rows)
     norm_groups (d, h, (gsize) (st->n_tokens - 1) * H, y, y_shared, st->batch, H, 1, 0, st->n_tokens * H,
                  d->final_norm, xf, 0, H);
   else
