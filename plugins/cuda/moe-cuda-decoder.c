@@ -1166,11 +1166,13 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
         return FALSE;
       if (trim_last && li + 1 == m->layers)
         {
-          /* the residual stream's last rows, and only they from here on */
+          /* the residual stream's last rows, and only they from here on
+           * (x too: the experts take their rows from its shape) */
           g_autoptr(MoeTensor) last = new_act (d, out_rows, H, error);
           gsize row_bytes = (gsize) H * d->elem;
 
-          if (last == NULL ||
+          g_clear_object (&x);
+          if (last == NULL || (x = new_act (d, out_rows, H, error)) == NULL ||
               !moe_cuda_check (cudaMemcpy2DAsync (DATA (last), row_bytes,
                                                   (const char *) DATA (h) + (st->n_tokens - 1) * row_bytes,
                                                   st->n_tokens * row_bytes, row_bytes, out_rows,
