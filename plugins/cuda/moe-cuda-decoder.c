@@ -731,7 +731,7 @@ cublas_check (cublasStatus_t st, const char *what, GError **error)
  * softmax, then probabilities·v as another; chunks keep the scores under
  * 64 MiB. */
 static gboolean
-attend_gemm (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride, int dk, int dv,
+attend_gemm (Decoder *d, const Step *s, guint li, MoeTensor *q, gsize q_offset, int q_row_stride, int dk, int dv,
              MoeTensor *out, GError **error)
 {
   const MoeTransformer *m = d->m;
@@ -764,7 +764,7 @@ attend_gemm (Decoder *d, const Step *s, guint li, MoeTensor *q, int q_row_stride
       if (probs == NULL || (ptrs = moe_tensor_new_empty (MOE_DEVICE (d->dev), MOE_DTYPE_I64, &n_ptrs, 1, error)) == NULL)
         return FALSE;
       pa.k = DATA (s->cache->k[li]);
-      pa.q = DATA (q);
+      pa.q = (const char *) DATA (q) + q_offset * d->elem;
       pa.scores = DATA (scores);
       pa.v = DATA (s->cache->v[li]);
       pa.probs = DATA (probs);
@@ -828,7 +828,7 @@ attend (Decoder *d, const Step *s, guint li, MoeTensor *q, gsize q_offset, int q
   if ((int) s->st->n_tokens >= d->prefill_attention_tokens)
     {
       if (!moe_cuda_flash_attention_fits (&a))
-        return attend_gemm (d, s, li, q, q_row_stride, dk, dv, out, error) ? g_steal_pointer (&out) : NULL;
+        return attend_gemm (d, s, li, q, q_offset, q_row_stride, dk, dv, out, error) ? g_steal_pointer (&out) : NULL;
       moe_cuda_flash_attention (&a, d->dev->stream);
       return g_steal_pointer (&out);
     }
