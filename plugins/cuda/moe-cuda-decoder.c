@@ -861,6 +861,27 @@ rope (Decoder *d, const Step *s, MoeTensor *x, gsize offset, int heads, int row_
                  d->dev->stream);
 }
 
+/* attend () of every query row of @q (rows @q_row_stride elements apart),
+ * or (@last_rows) of each sequence's last only, at its last position over
+ * all its keys; @rows: the output's rows */
+static MoeTensor *
+attend_rows (Decoder *d, const Step *s, guint li, gboolean last_rows, MoeTensor *q, int q_row_stride, int dk, int dv,
+             int *rows, GError **error)
+{
+  MoeDecoderStep last_st = *s->st;
+  Step last = *s;
+  int T = (int) s->st->n_tokens;
+
+  *rows = s->rows;
+  if (!last_rows)
+    return attend (d, s, li, q, 0, q_row_stride, dk, dv, error);
+  last_st.n_tokens = 1;
+  last.st = &last_st;
+  last.past = s->past + T - 1;
+  last.rows = *rows = (int) s->st->batch;
+  return attend (d, &last, li, q, (gsize) (T - 1) * q_row_stride, T * q_row_stride, dk, dv, error);
+}
+
 /* q/k/v, the KV-cache write and the attention of @x's rows, then o; with
  * @last_rows only each sequence's last row asks (every row's keys and
  * values still go to the cache), and o's rows are those */
@@ -910,28 +931,15 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, gboolean last_
                          OPT (s->past_dev), stream);
     }
   trace_mark (s->trace, stream, PART_ROPE_KV);
-  if (last_rows)
-    {
-      /* one query a sequence, at its last position, over all its keys */
-      MoeDecoderStep last_st = *s->st;
-      Step last = *s;
-      int T = (int) s->st->n_tokens;
-
-      last_st.n_tokens = 1;
-      last.st = &last_st;
-      last.past = s->past + T - 1;
-      last.rows = rows = (int) s->st->batch;
-      a = attend (d, &last, li, qkv, (gsize) (T - 1) * n, T * n, hd, hd, error);
-    }
-  else
-    a = attend (d, s, li, qkv, 0, n, hd, hd, error);
+  a = attend_rows (d, s, li, last_rows, qkv, n, hd, hd, &rows, error);
   trace_mark (s->trace, stream, PART_ATTEND);
   return a ? linear (d, &L->o, a, qn, rows, error) : NULL;
 }
 
-/* DeepSeek's multi-head latent attention (see moe-transformer.c) */
+/* DeepSeek's multi-head latent attention (see moe-transformer.c);
+ * @last_rows as attention_gqa's */
 static MoeTensor *
-attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error)
+attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, gboolean last_rows, GError **error)
 {
   const MoeTransformer *m = d->m;
   const DevLayer *L = &d->layer[li];
@@ -963,7 +971,7 @@ attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, GError **error
                      (char *) DATA (kv) + (gsize) nope * d->elem, m->heads * kvb, kvb, dv,
                      DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
                      OPT (s->past_dev), d->dev->stream);
-  a = attend (d, s, li, q, 0, m->heads * qk, qk, dv, error);
+  a = attend_rows (d, s, li, last_rows, q, m->heads * qk, qk, dv, &rows, error);
   return a ? linear (d, &L->o, a, m->heads * dv, rows, error) : NULL;
 }
 
@@ -1142,10 +1150,9 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
   /* Where only each sequence's last row makes logits (a prompt that
    * generates), the last layer after its keys and values runs on those
    * rows alone: nothing reads the other rows' output (llama.cpp trims the
-   * same way; per-row results do not change). Not for MLA yet, nor in a
-   * graph (decode steps have one row a sequence anyway). */
-  const gboolean trim_last = st->last_only && rows > out_rows && s->past_dev == NULL &&
-                             m->family != FAMILY_DEEPSEEK_V3 && d->trim_last;
+   * same way; per-row results do not change; the CPU decoder trims as
+   * well). Not in a graph: decode steps have one row a sequence anyway. */
+  const gboolean trim_last = d->trim_last && st->last_only && rows > out_rows && s->past_dev == NULL;
 
   if ((h = new_act (d, rows, H, error)) == NULL || (x = new_act (d, rows, H, error)) == NULL)
     return FALSE;
@@ -1160,7 +1167,7 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
       /* the previous layer's residual add, fused with this norm */
       norm_groups (d, h, 0, y, y_shared, rows, H, 1, 0, H, L->input_norm, x, 0, H);
       g_clear_object (&y_shared);
-      a = m->family == FAMILY_DEEPSEEK_V3 ? attention_mla (d, s, li, x, error)
+      a = m->family == FAMILY_DEEPSEEK_V3 ? attention_mla (d, s, li, x, trim_last && li + 1 == m->layers, error)
                                           : attention_gqa (d, s, li, x, trim_last && li + 1 == m->layers, error);
       if (a == NULL)
         return FALSE;
