@@ -33,6 +33,14 @@
 #                                   --model-dir DIR writes a short one);
 #                                   PROFILE_TAIL=N: also the last N kernels
 #                                   in launch order (one step's sequence)
+#   tools/gpu-run.sh profile-experts [ARGS]
+#                                   moe-bench-cuda-experts ARGS (default:
+#                                   qwen1.5-moe's layer, grouped_mm, T = 2048,
+#                                   one batch) under Nsight Compute for each
+#                                   side (SIDES, as compare): its grouped
+#                                   GEMMs' report (NCU_ARGS: the sections or
+#                                   other options; default: speed of light
+#                                   and memory workload, 4 launches after 8)
 #   tools/gpu-run.sh compare [ARGS]  moe-bench-model ARGS (default: the
 #                                   model-bench checkpoint, bf16, -s 16 -r 2
 #                                   -p 2048 -b 1,8) with the baseline's cuda
@@ -124,6 +132,12 @@ commit_of () {
   if [ "$1" = this ]; then cat _gpu/commit; else cat "_gpu/candidate-$1.commit"; fi 2>/dev/null || echo '?'
 }
 
+# Nsight Compute's command line
+find_ncu () {
+  command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1 | grep . ||
+    { echo "no ncu on this machine" >&2; return 1; }
+}
+
 what=${1:-test}
 [ $# -gt 0 ] && shift
 case "$what" in
@@ -212,9 +226,20 @@ for line in sys.stdin:
   model-bench)
     PYTHONUNBUFFERED=1 exec python3 tools/bench-model-cuda.py --libmoe-bench "$root/bin/moe-bench-model" "$@"
     ;;
+  profile-experts)
+    ncu=$(find_ncu) || exit 1
+    [ $# -gt 0 ] || set -- -s 2048,1408,60,4 -t 2048 -b grouped_mm --batches 1
+    for side in $(candidates) $(this_side); do
+      dir=$(side_of "$side") || exit 1
+      echo "== $side ($(commit_of "$side"))"
+      # shellcheck disable=SC2086 # NCU_ARGS: ncu options, word-split
+      MOE_PLUGIN_PATH=$dir/plugins "$ncu" --clock-control none -k regex:grouped_gemm \
+        ${NCU_ARGS:---launch-skip 8 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis} \
+        "$dir/bin/moe-bench-cuda-experts" "$@" | grep -v '^{' || exit 1
+    done
+    ;;
   profile)
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-    [ -n "$ncu" ] || { echo "no ncu on this machine" >&2; exit 1; }
+    ncu=$(find_ncu) || exit 1
     # shellcheck disable=SC2086 # NCU_ARGS: more ncu options (--launch-skip N …)
     "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum --print-units base ${NCU_ARGS:-} \
       "$root/bin/moe-bench-model" -m "${PROFILE_MODEL:-/tmp/qwen1.5-moe-a2.7b-random}" --device cuda -d bfloat16 "$@" \
@@ -222,5 +247,5 @@ for line in sys.stdin:
     python3 tools/ncu-summary.py /tmp/ncu.csv ${PROFILE_TAIL:-0}
     ;;
   *)
-    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | attention-compare [ARGS] | model-bench [ARGS] | profile [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | attention-compare [ARGS] | model-bench [ARGS] | profile [ARGS] | profile-experts [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac
