@@ -1162,16 +1162,17 @@ run_step (Decoder *d, Step *s, MoeTensor *ids, MoeTensor *logits_f32, GError **e
   for (guint li = 0; li < m->layers; li++)
     {
       const DevLayer *L = &d->layer[li];
+      const gboolean trim = trim_last && li + 1 == m->layers;
       g_autoptr(MoeTensor) a = NULL;
 
       /* the previous layer's residual add, fused with this norm */
       norm_groups (d, h, 0, y, y_shared, rows, H, 1, 0, H, L->input_norm, x, 0, H);
       g_clear_object (&y_shared);
-      a = m->family == FAMILY_DEEPSEEK_V3 ? attention_mla (d, s, li, x, trim_last && li + 1 == m->layers, error)
-                                          : attention_gqa (d, s, li, x, trim_last && li + 1 == m->layers, error);
+      a = m->family == FAMILY_DEEPSEEK_V3 ? attention_mla (d, s, li, x, trim, error)
+                                          : attention_gqa (d, s, li, x, trim, error);
       if (a == NULL)
         return FALSE;
-      if (trim_last && li + 1 == m->layers)
+      if (trim)
         {
           /* the residual stream's last rows, and only they from here on
            * (x too: the experts take their rows from its shape) */
