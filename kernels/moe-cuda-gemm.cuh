@@ -795,22 +795,55 @@ wgmma_m64n192_fp8 (float d[96], uint64_t da, uint64_t db, int accumulate)
  * tile's BM row scales, then one weight scale per 8 columns: H and I are
  * multiples of 8 on these paths, so 8 adjacent columns are 8 adjacent
  * weight rows inside one 128-row scale block). One scale product per 8
- * columns and row, not one per output: the promotion runs while the
- * tensor cores wait. */
-template <int BM, int N = 128>
+ * columns and row, not one per output; with PER32 (fp8_scales_per_32:
+ * every 32-column block of the tile within one scale block) one per 32,
+ * a quarter of the multiplies and scale loads: the promotion runs while
+ * the tensor cores wait. */
+template <int BM, int N = 128, bool PER32 = false>
 __device__ __forceinline__ void
 promote_fp8 (float d[N / 2], const float part[N / 2], const float *sc, int row)
 {
   const float sa0 = sc[row], sa1 = sc[row + 8];
+  auto add = [&] (int j, float s0, float s1) {
+    d[4 * j] += part[4 * j] * s0;
+    d[4 * j + 1] += part[4 * j + 1] * s0;
+    d[4 * j + 2] += part[4 * j + 2] * s1;
+    d[4 * j + 3] += part[4 * j + 3] * s1;
+  };
+
+  if constexpr (PER32)
+    {
+#pragma unroll
+      for (int q = 0; q < N / 32; q++)
+        {
+          const float b = sc[BM + 4 * q], s0 = sa0 * b, s1 = sa1 * b;
+#pragma unroll
+          for (int j = 4 * q; j < 4 * q + 4; j++)
+            add (j, s0, s1);
+        }
+      return;
+    }
 #pragma unroll
   for (int j = 0; j < N / 8; j++)
     {
-      const float b = sc[BM + j], s0 = sa0 * b, s1 = sa1 * b;
-      d[4 * j] += part[4 * j] * s0;
-      d[4 * j + 1] += part[4 * j + 1] * s0;
-      d[4 * j + 2] += part[4 * j + 2] * s1;
-      d[4 * j + 3] += part[4 * j + 3] * s1;
+      const float b = sc[BM + j];
+      add (j, sa0 * b, sa1 * b);
     }
+}
+
+/* Whether every 32-column block of a tile @bn wide maps to weight rows
+ * inside one 128-row scale block (tile_weight_row, fp8_scale_row). A
+ * tile's columns are rows from a multiple of bn (a multiple of 32), or in
+ * a split gate/up, gate rows from a multiple of bn / 2 and up rows from I
+ * plus that: bn / 2 must be a multiple of 32 (the 192 × 96 tile's 48 is
+ * not), and I too unless up's scales start blocks of their own. */
+template <int MODE>
+__device__ __forceinline__ bool
+fp8_scales_per_32 (const MoeCudaExperts &p, int bn)
+{
+  if (MODE != MODE_GATE_UP || !p.has_gate || p.interleaved)
+    return bn % 32 == 0;
+  return (bn / 2) % 32 == 0 && (p.up_scale_split != 0 || p.inter % 32 == 0);
 }
 
 /* A warpgroup's N-column accumulators into a float tile in shared memory. */
@@ -1514,24 +1547,32 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                * scaling, made ptxas serialize every wgmma: it sees the other
                * set's registers read while products are in flight.) */
               float part[BN / 2];
-              for (int it = it0; it < it0 + ktiles; it++)
-                {
-                  wait_full (it);
-                  unsigned char *sa = stage_a_mine (it), *sb = stage_b (it % STAGES);
-                  asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
+              /* the promotion's form chosen once, outside the loop (a
+               * branch inside it spilled the 128 × 192 tile's registers) */
+              auto blocks = [&] (auto per32) {
+                for (int it = it0; it < it0 + ktiles; it++)
+                  {
+                    wait_full (it);
+                    unsigned char *sa = stage_a_mine (it), *sb = stage_b (it % STAGES);
+                    asm volatile ("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-                  for (int j = 0; j < 4; j++)
-                    if constexpr (BN == 96)
-                      wgmma_m64n96_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
-                    else if constexpr (BN == 192)
-                      wgmma_m64n192_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
-                    else
-                      wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
-                  asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-                  asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-                  release (it);
-                  promote_fp8<BM, BN> (d, part, s_scale[it % SCALE_SLOTS], row);
-                }
+                    for (int j = 0; j < 4; j++)
+                      if constexpr (BN == 96)
+                        wgmma_m64n96_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+                      else if constexpr (BN == 192)
+                        wgmma_m64n192_fp8<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+                      else
+                        wgmma_m64n128<TOp> (part, wgmma_desc (sa + j * 32), wgmma_desc (sb + j * 32), j > 0);
+                    asm volatile ("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                    asm volatile ("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+                    release (it);
+                    promote_fp8<BM, BN, decltype (per32)::value> (d, part, s_scale[it % SCALE_SLOTS], row);
+                  }
+              };
+              if (fp8_scales_per_32<MODE> (p, BN))
+                blocks (std::true_type ());
+              else
+                blocks (std::false_type ());
             }
           else
             {
