@@ -821,14 +821,14 @@ promote_fp8 (float d[N / 2], const float part[N / 2], const float *sc, int row)
           for (int j = 4 * q; j < 4 * q + 4; j++)
             add (j, s0, s1);
         }
-      return;
     }
+  else
 #pragma unroll
-  for (int j = 0; j < N / 8; j++)
-    {
-      const float b = sc[BM + j];
-      add (j, sa0 * b, sa1 * b);
-    }
+    for (int j = 0; j < N / 8; j++)
+      {
+        const float b = sc[BM + j];
+        add (j, sa0 * b, sa1 * b);
+      }
 }
 
 /* Whether every 32-column block of a tile @bn wide maps to weight rows
