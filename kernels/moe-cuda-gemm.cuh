@@ -1547,9 +1547,10 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                * scaling, made ptxas serialize every wgmma: it sees the other
                * set's registers read while products are in flight.) */
               float part[BN / 2];
-              /* the promotion's form chosen once, outside the loop (a
-               * branch inside it spilled the 128 × 192 tile's registers) */
-              auto blocks = [&] (auto per32) {
+              /* the tile's K blocks, the promotion's form chosen once,
+               * outside the loop (a branch inside it spilled the 128 × 192
+               * tile's registers) */
+              auto k_blocks = [&] (auto per32) {
                 for (int it = it0; it < it0 + ktiles; it++)
                   {
                     wait_full (it);
@@ -1570,9 +1571,9 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
                   }
               };
               if (fp8_scales_per_32<MODE> (p, BN))
-                blocks (std::true_type ());
+                k_blocks (std::true_type ());
               else
-                blocks (std::false_type ());
+                k_blocks (std::false_type ());
             }
           else
             {
