@@ -1048,14 +1048,56 @@ store_outputs (T *dst, const float (&v)[W])
     ((Vec *) dst)[i] = out.vec[i];
 }
 
+/* Two outputs rounded to T (16-bit) and packed as stored */
+template <typename T>
+__device__ __forceinline__ unsigned
+pair_bits (float a, float b)
+{
+  union {
+    T t[2];
+    unsigned bits;
+  } y;
+  y.t[0] = from_f<T> (a), y.t[1] = from_f<T> (b);
+  return y.bits;
+}
+
+/* v[k] of lane k of this quad (lanes 4g … 4g + 3) into v[lane % 4] of …:
+ * after it, lane q holds what the quad's lanes held at index q, in lane
+ * order (a 4 × 4 transpose by two butterfly exchanges) */
+__device__ __forceinline__ void
+quad_transpose (unsigned (&v)[4])
+{
+  const int q = threadIdx.x % 4;
+#pragma unroll
+  for (int m = 1; m <= 2; m *= 2)
+    {
+      const bool hi = q & m;
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        if (!(j & m))
+          {
+            /* the lane keeps the index whose bit m is its own, and swaps the other */
+            const unsigned got = __shfl_xor_sync (0xffffffffu, hi ? v[j] : v[j | m], m);
+            if (hi)
+              v[j] = got;
+            else
+              v[j | m] = got;
+          }
+    }
+}
+
 /* The common finish: gate/up SwiGLU over split halves without bias, down
  * without bias (swiglu_plain, down_bias). A thread holds each gate
  * accumulator beside its up one (column c and c + N/2 of a split tile), so
  * it finishes and stores its outputs straight from the registers: no
- * staging in shared memory, no barrier, two adjacent outputs a 4-byte
- * store. (Through the staging buffer, as every other case still runs,
- * this finish was ~18% of gate/up's consumer time at 2048 tokens; the
- * general finish, output by output with the activation switch, ~35%.) */
+ * staging in shared memory, no barrier. A lane holds two adjacent outputs
+ * of each 8-column block (its quad the block's 8); 16-bit outputs of four
+ * blocks are exchanged within the quad so that each lane stores one
+ * block's 8 as a 16-byte vector, a quarter of the stores that the pairs
+ * (4 bytes each, 8 rows a warp's store) took. (Through the staging
+ * buffer, as every other case still runs, this finish was ~18% of
+ * gate/up's consumer time at 2048 tokens; the general finish, output by
+ * output with the activation switch, ~35%.) */
 template <typename T, int MODE, int N>
 __device__ __forceinline__ void
 finish_in_registers (const MoeCudaExperts &p, const Route &r, const float (&d)[N / 2], int cw, int nt,
@@ -1065,6 +1107,8 @@ finish_in_registers (const MoeCudaExperts &p, const Route &r, const float (&d)[N
   const int rows = t.rows - cw * 64, row0 = t.row0 + cw * 64;
   const int ld = MODE == MODE_GATE_UP ? p.inter : p.hidden;
   constexpr int BLOCKS = MODE == MODE_GATE_UP ? N / 16 : N / 8;   /* 8-column blocks of outputs */
+  /* blocks stored as 16-byte vectors, in fours (16-bit T), the rest as pairs */
+  constexpr int VEC_BLOCKS = sizeof (T) == 2 ? BLOCKS / 4 * 4 : 0;
   T *out[2];   /* this thread's two rows of h (sorted) or y (token, slot); nullptr: none */
 
 #pragma unroll
@@ -1074,8 +1118,39 @@ finish_in_registers (const MoeCudaExperts &p, const Route &r, const float (&d)[N
       out[h] = i >= rows ? nullptr
                : (T *) dst + (size_t) (MODE == MODE_GATE_UP ? row0 + i : r.sorted_pair[row0 + i]) * ld;
     }
+  /* gate/up: the gates and their ups; down: its products (block j, row h) */
+  auto gates = [&] (int j, int h) { return d + 4 * j + 2 * h; };
+  auto ups = [&] (int j, int h) { return MODE == MODE_GATE_UP ? d + 4 * (j + N / 16) + 2 * h : gates (j, h); };
+  /* 16-bit T: block j's two outputs of row h, finished and packed as stored */
+  auto pair_out = [&] (int j, int h) -> unsigned {
+    const float *a = gates (j, h), *u = ups (j, h);
+    if constexpr (sizeof (T) != 2)
+      return 0;
+    else if constexpr (MODE == MODE_GATE_UP)
+      return swiglu_pair<T> (a[0], a[1], u[0], u[1]);
+    else
+      return pair_bits<T> (a[0], a[1]);
+  };
+
 #pragma unroll
-  for (int j = 0; j < BLOCKS; j++)
+  for (int j0 = 0; j0 < VEC_BLOCKS; j0 += 4)
+    {
+      /* every lane of the quad exchanges, whatever it stores */
+      const int o = nt * (BLOCKS * 8) + (j0 + lane % 4) * 8;   /* this lane's block after the exchange */
+#pragma unroll
+      for (int h = 0; h < 2; h++)
+        {
+          unsigned v[4];
+#pragma unroll
+          for (int k = 0; k < 4; k++)
+            v[k] = pair_out (j0 + k, h);
+          quad_transpose (v);
+          if (out[h] != nullptr && o < ld)
+            *(uint4 *) (out[h] + o) = make_uint4 (v[0], v[1], v[2], v[3]);
+        }
+    }
+#pragma unroll
+  for (int j = VEC_BLOCKS; j < BLOCKS; j++)
     {
       const int o = nt * (BLOCKS * 8) + j * 8 + c0;   /* h's or y's column: o and o + 1 */
       if (o >= ld)
@@ -1083,17 +1158,16 @@ finish_in_registers (const MoeCudaExperts &p, const Route &r, const float (&d)[N
 #pragma unroll
       for (int h = 0; h < 2; h++)
         {
-          /* gate/up: the gates and their ups; down: its products */
-          const float *a = d + 4 * j + 2 * h, *u = MODE == MODE_GATE_UP ? d + 4 * (j + N / 16) + 2 * h : a;
-          if constexpr (MODE == MODE_GATE_UP && sizeof (T) == 2)
+          if constexpr (sizeof (T) == 2)
             {
-              const unsigned y = swiglu_pair<T> (a[0], a[1], u[0], u[1]);
+              const unsigned y = pair_out (j, h);
               if (out[h] != nullptr)
                 *(unsigned *) (out[h] + o) = y;
             }
           else
             {
               /* f32 (FP8 experts on f32 hidden states): the exact silu; the store rounds */
+              const float *a = gates (j, h), *u = ups (j, h);
               float v[2] = { a[0], a[1] };
               if (MODE == MODE_GATE_UP)
                 v[0] = activate (MOE_CUDA_ACT_SILU, a[0]) * u[0], v[1] = activate (MOE_CUDA_ACT_SILU, a[1]) * u[1];
