@@ -326,17 +326,41 @@ expert_m_tiles (int rows, int bm, int cluster)
 
 /* One block sorts every (token, slot) row by expert: zero the counts, count,
  * scan the counts and the m-tiles per expert, scatter. One launch: at
- * decode sizes the launches, not the work, are what costs. */
+ * decode sizes the launches, not the work, are what costs. A thread loads
+ * ROUTE_BATCH of its ids at once before it counts or scatters them, and
+ * the scatter reads the offsets from shared memory: one id a loop, each
+ * load waited for in turn and the offsets read back from global memory,
+ * was memory latency (route took ~16 µs of a 2048-token prefill's layer;
+ * batched, the layer ran 0.6% faster, ~3 µs, on an H100). */
+constexpr int ROUTE_BATCH = 8;
+
 __global__ void __launch_bounds__ (1024)
 route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {})
 {
-  __shared__ int rows_sum[1024], tiles_sum[1024], tiles_ab[2], shared_counts[2][1024];
+  __shared__ int rows_sum[1024], tiles_sum[1024], tiles_ab[2], per_expert[3][1024];
   const int n = blockDim.x, tid = threadIdx.x;
   const int per = (E + n - 1) / n, lo = tid * per, hi = min (lo + per, E);
-  /* the counting and scattering atomics in shared memory where the
-   * experts fit (their global round trips were most of route's time) */
-  int *counts = E <= 1024 ? shared_counts[0] : r.counts, *cursor = E <= 1024 ? shared_counts[1] : r.cursor;
+  /* the counting and scattering atomics, and the offsets the scatter
+   * reads, in shared memory where the experts fit (their global round
+   * trips were most of route's time) */
+  int *counts = E <= 1024 ? per_expert[0] : r.counts, *cursor = E <= 1024 ? per_expert[1] : r.cursor;
+  int *offsets = E <= 1024 ? per_expert[2] : r.offsets;
   int rows = 0, tiles = 0;
+  /* fn (i, e) for each of this thread's rows i with expert e in range,
+   * ROUTE_BATCH ids loaded together */
+  auto each_row = [&] (auto fn) {
+    for (int i0 = tid; i0 < S; i0 += n * ROUTE_BATCH)
+      {
+        int64_t id[ROUTE_BATCH];
+#pragma unroll
+        for (int b = 0; b < ROUTE_BATCH; b++)
+          id[b] = i0 + b * n < S ? ids[i0 + b * n] : -1;
+#pragma unroll
+        for (int b = 0; b < ROUTE_BATCH; b++)
+          if ((unsigned long long) id[b] < (unsigned long long) E)
+            fn (i0 + b * n, (int) id[b]);
+      }
+  };
 
   pdl_begin ();   /* launched overlapped: the ids are the kernels' before */
 
@@ -345,9 +369,7 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
   __syncthreads ();
   if (tid == 0)
     tiles_ab[0] = tiles_ab[1] = 0;
-  for (int i = tid; i < S; i += n)
-    if ((unsigned long long) ids[i] < (unsigned long long) E)
-      atomicAdd (&counts[ids[i]], 1);
+  each_row ([&] (int, int e) { atomicAdd (&counts[e], 1); });
   __syncthreads ();
 
   int cluster = choice.cluster_a;
@@ -382,7 +404,7 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
   tiles = tiles_sum[tid] - tiles;
   for (int e = lo; e < hi; e++)
     {
-      r.offsets[e] = rows;
+      offsets[e] = r.offsets[e] = rows;
       r.tile_start[e] = tiles;
       rows += counts[e];
       tiles += expert_m_tiles (counts[e], bm, cluster);
@@ -391,9 +413,7 @@ route (const int64_t *ids, int S, int E, int bm, Route r, TileChoice choice = {}
     r.offsets[E] = rows_sum[tid], r.tile_start[E] = tiles_sum[tid];
   __syncthreads ();
 
-  for (int i = tid; i < S; i += n)
-    if ((unsigned long long) ids[i] < (unsigned long long) E)
-      r.sorted_pair[r.offsets[ids[i]] + atomicAdd (&cursor[ids[i]], 1)] = i;
+  each_row ([&] (int i, int e) { r.sorted_pair[offsets[e] + atomicAdd (&cursor[e], 1)] = i; });
 }
 
 /* ---- grouped GEMM -------------------------------------------------------
