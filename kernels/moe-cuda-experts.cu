@@ -862,12 +862,13 @@ tma_kernels ()
 /* Whether the wide tile takes its form for many rows an expert
  * (TmaWideLarge): from 512 (token, slot) rows an expert on average
  * (Qwen1.5-MoE's layer: slower at 137 rows, 2048 tokens; faster at 1,092,
- * 16384 tokens; FP8 on H100: Qwen3-30B's layer at 512 rows, 8192 tokens,
- * +18% against 128 × 128) */
+ * 16384 tokens); FP8 from 256 (H100, Qwen3-30B's layer against 128 × 128:
+ * +18% at 512 rows, 8192 tokens; +1.8% at 256 rows, 4096 tokens) */
 bool
 large_tiles (const MoeCudaExperts &p)
 {
-  return (long) p.tokens * p.top_k >= 512L * p.num_experts;
+  const long from = p.weight_format == MOE_CUDA_WEIGHTS_FP8 ? 256 : 512;
+  return (long) p.tokens * p.top_k >= from * p.num_experts;
 }
 
 /* The wide tile or the tall one, route's choice; GATHER: gate/up gathers
