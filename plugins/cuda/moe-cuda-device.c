@@ -438,6 +438,9 @@ fault_in_slice (gpointer data)
 
   for (gsize off = 0; off < s->size; off += MOE_CUDA_HOST_PAGE)
     s->start[off] = 0;
+  /* the last page, where the slice does not start at a page's start */
+  if (s->size > 0)
+    s->start[s->size - 1] = 0;
   return NULL;
 }
 
@@ -455,7 +458,7 @@ static void
 fault_in (gpointer dst, gsize size)
 {
   guint n = CLAMP (g_get_num_processors (), 1, 8);
-  gsize per = (size / n + MOE_CUDA_HOST_PAGE - 1) / MOE_CUDA_HOST_PAGE * MOE_CUDA_HOST_PAGE;
+  gsize per = ((size + n - 1) / n + MOE_CUDA_HOST_PAGE - 1) / MOE_CUDA_HOST_PAGE * MOE_CUDA_HOST_PAGE;
   Slice slices[8];
   GThread *threads[8] = { NULL, };
 
