@@ -567,6 +567,32 @@ test_allocator_reuses (void)
   }
 }
 
+/* A copy to the host large enough to fault its destination in from
+ * several threads first (MOE_CUDA_FAULT_IN_MIN: 8 MiB), of a size that
+ * is no multiple of a page, arrives whole: every value as uploaded. */
+static void
+test_large_copy_to_host (void)
+{
+  gint64 n = (9 << 20) / 4 + 3;
+  float *values = g_new (float, n);
+  g_autoptr(GBytes) bytes = NULL;
+  g_autoptr(GError) error = NULL;
+
+  for (gint64 i = 0; i < n; i++)
+    values[i] = (float) (i % 65521) - 0.5f * (float) (i % 7);
+  bytes = g_bytes_new_take (values, (gsize) n * sizeof (float));
+  {
+    g_autoptr(MoeTensor) host = moe_tensor_new_from_bytes (MOE_DTYPE_F32, &n, 1, bytes, &error);
+    g_assert_no_error (error);
+    g_autoptr(MoeTensor) dev = moe_tensor_to_device (host, cuda, &error);
+    g_assert_no_error (error);
+    g_autoptr(MoeTensor) back = moe_tensor_to_device (dev, moe_device_get_cpu (), &error);
+    g_assert_no_error (error);
+    g_assert_cmpuint (moe_tensor_get_n_bytes (back), ==, (gsize) n * sizeof (float));
+    g_assert_true (memcmp (moe_tensor_get_data (back), values, (gsize) n * sizeof (float)) == 0);
+  }
+}
+
 int
 main (int argc, char *argv[])
 {
@@ -616,6 +642,7 @@ main (int argc, char *argv[])
   g_test_add_func ("/cuda/experts/random-large", test_random_large);
   g_test_add_func ("/cuda/experts/random-finishes", test_random_finishes);
   g_test_add_func ("/cuda/allocator-reuses", test_allocator_reuses);
+  g_test_add_func ("/cuda/large-copy-to-host", test_large_copy_to_host);
 
   return g_test_run ();
 }
