@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "moe-private.h"
+#include "moe-sampling-private.h"
 #include "moe-transformer-private.h"
 #include "moe-cpu-kernels.h"
 
@@ -1097,69 +1098,15 @@ token_call_free (gpointer p)
   g_free (c);
 }
 
-static int
-compare_descending (gconstpointer a, gconstpointer b, gpointer data)
-{
-  const double *p = data;
-  double x = p[*(const guint *) a], y = p[*(const guint *) b];
-
-  if (x != y)
-    return x > y ? -1 : 1;
-  return *(const guint *) a < *(const guint *) b ? -1 : 1;
-}
-
 /* do_sample's token (greedy decoding is _moe_greedy_token) */
 static guint
 sample (const float *logits, gint64 V, MoeGenerationConfig *config, GRand *rng)
 {
   double temperature, top_p;
-  guint top_k_n;
-  g_autofree guint *order = NULL;
-  g_autofree double *p = NULL;
-  double max = -INFINITY, sum = 0, acc = 0, r;
-  guint n;
+  guint top_k;
 
-  g_object_get (config, "temperature", &temperature, "top-k", &top_k_n, "top-p", &top_p, NULL);
-
-  /* temperature, then top-k, then top-p, as transformers' warpers */
-  order = g_new (guint, V);
-  p = g_new (double, V);
-  for (gint64 v = 0; v < V; v++)
-    {
-      order[v] = v;
-      p[v] = logits[v] / temperature;
-    }
-  g_qsort_with_data (order, V, sizeof (guint), compare_descending, p);
-  n = top_k_n > 0 ? MIN ((gint64) top_k_n, V) : V;
-  max = p[order[0]];
-  for (guint i = 0; i < n; i++)
-    sum += exp (p[order[i]] - max);
-  if (top_p < 1.0)
-    {
-      guint keep = 0;
-      for (; keep < n; keep++)
-        {
-          acc += exp (p[order[keep]] - max) / sum;
-          if (acc >= top_p)
-            {
-              keep++;
-              break;
-            }
-        }
-      n = MAX (MIN (keep, n), 1);
-      sum = 0;
-      for (guint i = 0; i < n; i++)
-        sum += exp (p[order[i]] - max);
-    }
-  r = g_rand_double (rng) * sum;
-  acc = 0;
-  for (guint i = 0; i < n; i++)
-    {
-      acc += exp (p[order[i]] - max);
-      if (r < acc)
-        return order[i];
-    }
-  return order[n - 1];
+  g_object_get (config, "temperature", &temperature, "top-k", &top_k, "top-p", &top_p, NULL);
+  return _moe_sample_token (logits, V, temperature, top_k, top_p, rng);
 }
 
 static MoeTensor *

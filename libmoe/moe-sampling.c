@@ -1,0 +1,170 @@
+/* moe-sampling.c: do_sample's choice of a token from a row of logits
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include <math.h>
+
+#include "moe-sampling-private.h"
+
+/* Whether token a comes before token b in the sampling order: higher
+ * (scaled) logit first, the lower id first among equals */
+static inline gboolean
+ranks_before (const double *p, guint a, guint b)
+{
+  return p[a] > p[b] || (p[a] == p[b] && a < b);
+}
+
+static int
+compare_rank (gconstpointer a, gconstpointer b, gpointer data)
+{
+  guint x = *(const guint *) a, y = *(const guint *) b;
+
+  return ranks_before (data, x, y) ? -1 : ranks_before (data, y, x) ? 1 : 0;
+}
+
+/* Beyond this many tokens of a @V-token vocabulary, first_in_order sorts
+ * them all: its heap's replacements cost more than the sort there */
+#define HEAP_MAX(V) ((V) / 64)
+
+/* The first @m tokens of the sampling order into @top (V of them), in
+ * order: a heap of the best @m so far (its root the last of them) over one
+ * pass of the vocabulary, then that heap sorted. O(V log m) where sorting
+ * every token of a 151,936-token vocabulary took ~26 ms a sampled token;
+ * past HEAP_MAX, that sort. */
+static void
+first_in_order (const double *p, guint V, guint m, guint *top)
+{
+  guint n = 0;
+
+  if (m > HEAP_MAX (V))
+    {
+      for (guint v = 0; v < V; v++)
+        top[v] = v;
+      g_qsort_with_data (top, V, sizeof (guint), compare_rank, (gpointer) p);
+      return;
+    }
+  for (guint v = 0; v < V; v++)
+    {
+      guint i;
+
+      if (n < m)
+        {
+          /* sift up: the heap's root is its last token in the order */
+          for (i = n++; i > 0 && ranks_before (p, top[(i - 1) / 2], v); i = (i - 1) / 2)
+            top[i] = top[(i - 1) / 2];
+          top[i] = v;
+        }
+      else if (ranks_before (p, v, top[0]))
+        {
+          /* replace the root, sift down */
+          for (i = 0;;)
+            {
+              guint c = 2 * i + 1;
+              if (c >= m)
+                break;
+              if (c + 1 < m && ranks_before (p, top[c], top[c + 1]))
+                c++;
+              if (!ranks_before (p, v, top[c]))
+                break;
+              top[i] = top[c];
+              i = c;
+            }
+          top[i] = v;
+        }
+    }
+  g_qsort_with_data (top, m, sizeof (guint), compare_rank, (gpointer) p);
+}
+
+guint
+_moe_sample_token (const float *logits,
+                   gint64       V,
+                   double       temperature,
+                   guint        top_k,
+                   double       top_p,
+                   GRand       *rng)
+{
+  g_autofree guint *order = NULL;
+  g_autofree double *p = g_new (double, V);
+  double max = -INFINITY, sum = 0, acc = 0, r;
+  guint n, m;
+
+  for (gint64 v = 0; v < V; v++)
+    {
+      p[v] = logits[v] / temperature;
+      max = MAX (max, p[v]);
+    }
+  n = top_k > 0 ? (guint) MIN ((gint64) top_k, V) : (guint) V;
+
+  if (n == V && top_p >= 1.0)
+    {
+      /* p becomes the unnormalized probabilities: nothing ranks them here */
+      for (gint64 v = 0; v < V; v++)
+        sum += (p[v] = exp (p[v] - max));
+      r = g_rand_double (rng) * sum;
+      for (gint64 v = 0; v < V; v++)
+        {
+          acc += p[v];
+          if (r < acc)
+            return v;
+        }
+      return V - 1;
+    }
+
+  /* the kept tokens lie in the order's first n (top-k); with top-p alone,
+   * in as many as hold top_p of the probability (over the vocabulary,
+   * summed in id order): the first 256, 2048, … of them until those do,
+   * or all */
+  if (n == V)
+    for (gint64 v = 0; v < V; v++)
+      sum += exp (p[v] - max);
+  order = g_new (guint, V);
+  for (m = n < V ? n : MIN (n, 256);; m = m * 8 > HEAP_MAX (n) ? n : m * 8)
+    {
+      /* m tokens hold at most m / sum (the best's probability is 1 / sum) */
+      if (m < n && m / sum < top_p)
+        continue;
+      first_in_order (p, V, m, order);
+      if (m == n)
+        break;
+      acc = 0;
+      for (guint i = 0; i < m && acc < top_p; i++)
+        acc += exp (p[order[i]] - max) / sum;
+      if (acc >= top_p)
+        break;
+    }
+  if (n < V)
+    {
+      /* top-k: the probabilities over the k */
+      sum = 0;
+      for (guint i = 0; i < n; i++)
+        sum += exp (p[order[i]] - max);
+    }
+  if (top_p < 1.0)
+    {
+      guint keep = 0;
+
+      acc = 0;
+      for (; keep < m; keep++)
+        {
+          acc += exp (p[order[keep]] - max) / sum;
+          if (acc >= top_p)
+            {
+              keep++;
+              break;
+            }
+        }
+      n = MAX (MIN (keep, m), 1);
+      sum = 0;
+      for (guint i = 0; i < n; i++)
+        sum += exp (p[order[i]] - max);
+    }
+  r = g_rand_double (rng) * sum;
+  acc = 0;
+  for (guint i = 0; i < n; i++)
+    {
+      acc += exp (p[order[i]] - max);
+      if (r < acc)
+        return order[i];
+    }
+  return order[n - 1];
+}
