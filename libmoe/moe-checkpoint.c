@@ -728,6 +728,9 @@ fuse_experts (MoeCheckpoint  *self,
   }
   elt = moe_dtype_get_size (dtype);
   dst = moe_tensor_get_mutable_data (out);
+  /* a layer's experts are often a GB of fresh memory: its page faults in
+   * parallel, then the copies */
+  moe_cpu_fault_in (dst, moe_tensor_get_n_bytes (out));
   for (guint e = 0; e < n_experts; e++)
     for (guint i = 0; i < n_names; i++)
       {

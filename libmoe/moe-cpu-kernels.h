@@ -160,6 +160,15 @@ MOE_AVAILABLE_IN_ALL
 float    moe_cpu_round_to    (float               v,
                               MoeDType            dtype);
 
+/* Writes to every page of @mem (@size bytes that are about to be
+ * overwritten) from several threads, so that a fresh buffer's first-touch
+ * page faults are taken in parallel rather than one at a time by the copy
+ * that fills it; below MOE_CPU_FAULT_IN_MIN bytes it does nothing */
+#define MOE_CPU_FAULT_IN_MIN ((gsize) 8 << 20)
+MOE_AVAILABLE_IN_ALL
+void     moe_cpu_fault_in    (gpointer            mem,
+                              gsize               size);
+
 MOE_AVAILABLE_IN_ALL
 gboolean moe_cpu_matrix_is_quantized   (const MoeCpuMatrix *w);
 MOE_AVAILABLE_IN_ALL

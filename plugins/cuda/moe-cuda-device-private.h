@@ -62,11 +62,6 @@ gboolean moe_cuda_check              (cudaError_t    err,
                                       const char    *what,
                                       GError       **error);
 
-/* Copies to the host of this many bytes or more fault their destination's
- * pages in from several threads first (fault_in), at one write a page */
-#define MOE_CUDA_FAULT_IN_MIN (8u << 20)
-#define MOE_CUDA_HOST_PAGE    4096
-
 /* @size bytes of device memory to (pageable) host memory, after the work
  * queued on the device's stream: the device's copy_to_host */
 gboolean moe_cuda_device_copy_to_host (MoeCudaDevice  *self,

@@ -426,58 +426,6 @@ check_bad_id (MoeCudaDevice  *self,
   return FALSE;
 }
 
-typedef struct {
-  volatile char *start;
-  gsize          size;
-} Slice;
-
-static gpointer
-fault_in_slice (gpointer data)
-{
-  Slice *s = data;
-
-  for (gsize off = 0; off < s->size; off += MOE_CUDA_HOST_PAGE)
-    s->start[off] = 0;
-  /* the last page, where the slice does not start at a page's start */
-  if (s->size > 0)
-    s->start[s->size - 1] = 0;
-  return NULL;
-}
-
-/* Writes to every page of @dst (@size bytes, about to be overwritten) from
- * several threads at once. A large copy's destination is most often fresh
- * memory (a forward's logits: 1.24 GB for 2048 tokens of a 151,936-token
- * vocabulary), and the first-touch page faults, taken one at a time by
- * the driver's copy into pageable memory, were most of that copy's time.
- * On the H100 machine (tools/cuda-host-copy-probe.cu): 0.87-1.14 s for
- * those logits; touching the pages from one thread 0.58-0.72 s, from 8
- * threads 94-102 ms, then the copy 81-156 ms. (Huge pages, the pages
- * pinned for the copy, or the copy staged through pinned buffers: all
- * slower, 0.3-0.9 s, each faulting one page at a time.) */
-static void
-fault_in (gpointer dst, gsize size)
-{
-  guint n = CLAMP (g_get_num_processors (), 1, 8);
-  gsize per = ((size + n - 1) / n + MOE_CUDA_HOST_PAGE - 1) / MOE_CUDA_HOST_PAGE * MOE_CUDA_HOST_PAGE;
-  Slice slices[8];
-  GThread *threads[8] = { NULL, };
-
-  for (guint i = 0; i < n; i++)
-    {
-      gsize off = MIN (i * per, size);
-      slices[i] = (Slice) { (volatile char *) dst + off, MIN (per, size - off) };
-      /* slice 0 on this thread; any other whose thread could not start too */
-      if (i > 0)
-        threads[i] = g_thread_try_new ("moe-fault-in", fault_in_slice, &slices[i], NULL);
-    }
-  fault_in_slice (&slices[0]);
-  for (guint i = 1; i < n; i++)
-    if (threads[i] != NULL)
-      g_thread_join (threads[i]);
-    else
-      fault_in_slice (&slices[i]);
-}
-
 static gboolean
 cuda_copy_to_host (MoeDevice      *device,
                    gpointer        dst,
@@ -489,9 +437,15 @@ cuda_copy_to_host (MoeDevice      *device,
 
   if (!device_ready (self, error))
     return FALSE;
-  /* (while the device still runs the work queued before the copy) */
-  if (size >= MOE_CUDA_FAULT_IN_MIN)
-    fault_in (dst, size);
+  /* A large copy's destination is most often fresh memory (a forward's
+   * logits: 1.24 GB for 2048 tokens of a 151,936-token vocabulary), and
+   * the driver's copy into pageable memory takes its first-touch faults
+   * one at a time: on the H100 machine 0.87-1.14 s for those logits, from
+   * 8 threads first then the copy 174-258 ms (tools/cuda-host-copy-probe.cu;
+   * huge pages, pinning for the copy, or staging through pinned buffers
+   * were all slower). While the device still runs the work queued before
+   * the copy. */
+  moe_cpu_fault_in (dst, size);
   return moe_cuda_check (cudaMemcpyAsync (dst, src, size, cudaMemcpyDeviceToHost, self->stream),
                          "copy to the host", error) &&
          moe_cuda_check (cudaStreamSynchronize (self->stream), "the work before a copy to the host", error) &&

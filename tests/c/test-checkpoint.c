@@ -128,6 +128,80 @@ test_fuse_mixtral (void)
   check_fused ("mixtral-per-expert", "model.layers.0.block_sparse_moe.experts");
 }
 
+/* Expert e's tensor k (0 gate, 1 up, 2 down), element i: exact in float */
+static float
+large_value (guint e, guint k, gsize i)
+{
+  return (float) (e * 1000000 + k * 200000 + i % 99991);
+}
+
+/* Per-expert keys fused into buffers large enough to be faulted in from
+ * several threads first (moe_cpu_fault_in: 8 MiB and more): every value
+ * in its place. Four experts, I = 512, H = 1024, float32: gate/up 16 MiB,
+ * down 8 MiB, written as one safetensors file here. */
+static void
+test_fuse_large (void)
+{
+  const guint E = 4, I = 512, H = 1024;
+  const char *names[3] = { "gate_proj", "up_proj", "down_proj" };
+  const gsize n = (gsize) I * H, bytes = n * sizeof (float);
+  g_autoptr(GError) error = NULL;
+  g_autofree char *dir = g_dir_make_tmp ("moe-fuse-XXXXXX", &error);
+  g_autofree char *path = g_build_filename (dir, "model.safetensors", NULL);
+  g_autoptr(GString) header = g_string_new ("{");
+  g_autofree float *data = g_new (float, n);
+  g_autoptr(MoeCheckpoint) ck = NULL;
+  g_autoptr(MoeExperts) experts = NULL;
+  const float *up, *down;
+  guint64 header_len;
+  FILE *f;
+
+  g_assert_no_error (error);
+  for (guint e = 0; e < E; e++)
+    for (guint k = 0; k < 3; k++)
+      g_string_append_printf (header, "%s\"model.layers.0.mlp.experts.%u.%s.weight\": {\"dtype\": \"F32\", "
+                              "\"shape\": [%u, %u], \"data_offsets\": [%" G_GSIZE_FORMAT ", %" G_GSIZE_FORMAT "]}",
+                              e + k > 0 ? ", " : "", e, names[k], k < 2 ? I : H, k < 2 ? H : I,
+                              (e * 3 + k) * bytes, (e * 3 + k + 1) * bytes);
+  g_string_append_c (header, '}');
+  header_len = GUINT64_TO_LE (header->len);
+  f = fopen (path, "wb");
+  g_assert_nonnull (f);
+  g_assert_cmpuint (fwrite (&header_len, 8, 1, f), ==, 1);
+  g_assert_cmpuint (fwrite (header->str, 1, header->len, f), ==, header->len);
+  for (guint e = 0; e < E; e++)
+    for (guint k = 0; k < 3; k++)
+      {
+        for (gsize i = 0; i < n; i++)
+          data[i] = large_value (e, k, i);
+        g_assert_cmpuint (fwrite (data, sizeof (float), n, f), ==, n);
+      }
+  g_assert_cmpint (fclose (f), ==, 0);
+
+  ck = moe_checkpoint_open (dir, &error);
+  g_assert_no_error (error);
+  experts = moe_checkpoint_load_experts (ck, "model.layers.0.mlp.experts", &error);
+  g_assert_no_error (error);
+  up = moe_tensor_get_data (moe_experts_get_up_weight (experts));
+  down = moe_tensor_get_data (moe_experts_get_down_weight (experts));
+  g_assert_cmpuint (moe_tensor_get_n_bytes (moe_experts_get_up_weight (experts)), ==, E * 2 * bytes);
+  g_assert_cmpuint (moe_tensor_get_n_bytes (moe_experts_get_down_weight (experts)), ==, E * bytes);
+  for (guint e = 0; e < E; e++)
+    for (gsize i = 0; i < n; i++)
+      {
+        /* gate rows, then up rows, then the next expert */
+        if (up[(2 * e) * n + i] != large_value (e, 0, i) || up[(2 * e + 1) * n + i] != large_value (e, 1, i) ||
+            down[e * n + i] != large_value (e, 2, i))
+          g_error ("expert %u, element %" G_GSIZE_FORMAT ": fused %g %g %g, expected %g %g %g", e, i,
+                   up[(2 * e) * n + i], up[(2 * e + 1) * n + i], down[e * n + i], large_value (e, 0, i),
+                   large_value (e, 1, i), large_value (e, 2, i));
+      }
+  g_clear_object (&experts);
+  g_clear_object (&ck);
+  g_assert_cmpint (g_unlink (path), ==, 0);
+  g_assert_cmpint (g_rmdir (dir), ==, 0);
+}
+
 static void
 test_fuse_missing (void)
 {
@@ -347,6 +421,7 @@ main (int argc, char *argv[])
   g_test_add_func ("/checkpoint/fuse/qwen", test_fuse_qwen);
   g_test_add_func ("/checkpoint/fuse/mixtral", test_fuse_mixtral);
   g_test_add_func ("/checkpoint/fuse/missing", test_fuse_missing);
+  g_test_add_func ("/checkpoint/fuse/large", test_fuse_large);
   for (guint i = 0; i < G_N_ELEMENTS (broken); i++)
     {
       g_autofree char *p = g_strdup_printf ("/checkpoint/broken/%s", broken[i].file);
