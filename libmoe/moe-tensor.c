@@ -494,8 +494,13 @@ moe_tensor_to_dtype (MoeTensor  *self,
     return NULL;
   out = moe_tensor_new_empty (NULL, dtype, self->shape, self->n_dims, error);
   if (out != NULL)
-    moe_cpu_convert (self->dtype, g_bytes_get_data (host, NULL), dtype,
-                     moe_tensor_get_mutable_data (out), (gsize) self->n_elements);
+    {
+      /* a checkpoint's weights in another dtype: fresh memory, faulted in
+       * from several threads before the one that converts fills it */
+      moe_cpu_fault_in (moe_tensor_get_mutable_data (out), moe_tensor_get_n_bytes (out));
+      moe_cpu_convert (self->dtype, g_bytes_get_data (host, NULL), dtype,
+                       moe_tensor_get_mutable_data (out), (gsize) self->n_elements);
+    }
   return out;
 }
 
