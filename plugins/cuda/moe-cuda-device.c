@@ -437,14 +437,11 @@ cuda_copy_to_host (MoeDevice      *device,
 
   if (!device_ready (self, error))
     return FALSE;
-  /* A large copy's destination is most often fresh memory (a forward's
-   * logits: 1.24 GB for 2048 tokens of a 151,936-token vocabulary), and
-   * the driver's copy into pageable memory takes its first-touch faults
-   * one at a time: on the H100 machine 0.87-1.14 s for those logits, from
-   * 8 threads first then the copy 174-258 ms (tools/cuda-host-copy-probe.cu;
-   * huge pages, pinning for the copy, or staging through pinned buffers
-   * were all slower). While the device still runs the work queued before
-   * the copy. */
+  /* The driver's copy into fresh pageable memory takes its first-touch
+   * faults one at a time: a forward's 1.24 GB of logits 0.87-1.14 s on the
+   * H100 machine, faulted in first 174-258 ms (tools/cuda-host-copy-probe.cu:
+   * huge pages, pinning for the copy, staging through pinned buffers were
+   * all slower). While the device still runs the work queued before. */
   moe_cpu_fault_in (dst, size);
   return moe_cuda_check (cudaMemcpyAsync (dst, src, size, cudaMemcpyDeviceToHost, self->stream),
                          "copy to the host", error) &&

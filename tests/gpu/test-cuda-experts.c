@@ -568,7 +568,7 @@ test_allocator_reuses (void)
 }
 
 /* A copy to the host large enough to fault its destination in from
- * several threads first (MOE_CUDA_FAULT_IN_MIN: 8 MiB), of a size that
+ * several threads first (MOE_CPU_FAULT_IN_MIN: 8 MiB), of a size that
  * is no multiple of a page, arrives whole: every value as uploaded. */
 static void
 test_large_copy_to_host (void)
