@@ -41,6 +41,11 @@
 #                                   GEMMs' report (NCU_ARGS: the sections or
 #                                   other options; default: speed of light
 #                                   and memory workload, 4 launches after 8)
+#   tools/gpu-run.sh profile-layer [ARGS]
+#                                   moe-bench-cuda-experts ARGS (default as
+#                                   profile-experts) under Nsight Compute,
+#                                   every kernel of the layer timed alone: a
+#                                   table of GPU time per kernel, as profile
 #   tools/gpu-run.sh compare [ARGS]  moe-bench-model ARGS (default: the
 #                                   model-bench checkpoint, bf16, -s 16 -r 2
 #                                   -p 2048 -b 1,8) with the baseline's cuda
@@ -238,6 +243,13 @@ for line in sys.stdin:
         "$dir/bin/moe-bench-cuda-experts" "$@" | grep -v '^{' || exit 1
     done
     ;;
+  profile-layer)
+    ncu=$(find_ncu) || exit 1
+    [ $# -gt 0 ] || set -- -s 2048,1408,60,4 -t 2048 -b grouped_mm --batches 1
+    "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum --print-units base \
+      "$root/bin/moe-bench-cuda-experts" "$@" > /tmp/ncu.csv 2> /tmp/ncu.err || { tail -20 /tmp/ncu.err; exit 1; }
+    python3 tools/ncu-summary.py /tmp/ncu.csv "${PROFILE_TAIL:-0}"
+    ;;
   profile)
     ncu=$(find_ncu) || exit 1
     # shellcheck disable=SC2086 # NCU_ARGS: more ncu options (--launch-skip N …)
@@ -247,5 +259,5 @@ for line in sys.stdin:
     python3 tools/ncu-summary.py /tmp/ncu.csv ${PROFILE_TAIL:-0}
     ;;
   *)
-    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | attention-compare [ARGS] | model-bench [ARGS] | profile [ARGS] | profile-experts [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | attention-compare [ARGS] | model-bench [ARGS] | profile [ARGS] | profile-experts [ARGS] | profile-layer [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac
