@@ -43,9 +43,10 @@
 #                                   and memory workload, 4 launches after 8)
 #   tools/gpu-run.sh profile-layer [ARGS]
 #                                   moe-bench-cuda-experts ARGS (default as
-#                                   profile-experts) under Nsight Compute,
-#                                   every kernel of the layer timed alone: a
-#                                   table of GPU time per kernel, as profile
+#                                   profile-experts) under Nsight Compute for
+#                                   each side (SIDES, as compare), every
+#                                   kernel of the layer timed alone: a table
+#                                   of GPU time per kernel, as profile
 #   tools/gpu-run.sh compare [ARGS]  moe-bench-model ARGS (default: the
 #                                   model-bench checkpoint, bf16, -s 16 -r 2
 #                                   -p 2048 -b 1,8) with the baseline's cuda
@@ -231,24 +232,24 @@ for line in sys.stdin:
   model-bench)
     PYTHONUNBUFFERED=1 exec python3 tools/bench-model-cuda.py --libmoe-bench "$root/bin/moe-bench-model" "$@"
     ;;
-  profile-experts)
+  profile-experts|profile-layer)
     ncu=$(find_ncu) || exit 1
     [ $# -gt 0 ] || set -- -s 2048,1408,60,4 -t 2048 -b grouped_mm --batches 1
     for side in $(candidates) $(this_side); do
       dir=$(side_of "$side") || exit 1
       echo "== $side ($(commit_of "$side"))"
+      if [ "$what" = profile-layer ]; then
+        MOE_PLUGIN_PATH=$dir/plugins "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum \
+          --print-units base "$dir/bin/moe-bench-cuda-experts" "$@" > /tmp/ncu.csv 2> /tmp/ncu.err ||
+          { tail -20 /tmp/ncu.err; exit 1; }
+        python3 tools/ncu-summary.py /tmp/ncu.csv "${PROFILE_TAIL:-0}"
+        continue
+      fi
       # shellcheck disable=SC2086 # NCU_ARGS: ncu options, word-split
       MOE_PLUGIN_PATH=$dir/plugins "$ncu" --clock-control none -k regex:grouped_gemm \
         ${NCU_ARGS:---launch-skip 8 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis} \
         "$dir/bin/moe-bench-cuda-experts" "$@" | grep -v '^{' || exit 1
     done
-    ;;
-  profile-layer)
-    ncu=$(find_ncu) || exit 1
-    [ $# -gt 0 ] || set -- -s 2048,1408,60,4 -t 2048 -b grouped_mm --batches 1
-    "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum --print-units base \
-      "$root/bin/moe-bench-cuda-experts" "$@" > /tmp/ncu.csv 2> /tmp/ncu.err || { tail -20 /tmp/ncu.err; exit 1; }
-    python3 tools/ncu-summary.py /tmp/ncu.csv "${PROFILE_TAIL:-0}"
     ;;
   profile)
     ncu=$(find_ncu) || exit 1
