@@ -308,7 +308,7 @@ combine (MoeCudaExperts p, const T *y)
       live[k] = (unsigned long long) id < (unsigned long long) E;
       wk[k] = load_any (p.routing, p.routing_dtype, (size_t) t * K + k);
     }
-  if (threadIdx.x == 0)
+  if (EAGER && threadIdx.x == 0)
     for (int k = 0; k < K; k++)
       {
         /* insertion sort of the slots by expert id (K ≤ 64) */
@@ -324,16 +324,30 @@ combine (MoeCudaExperts p, const T *y)
     for (int n = threadIdx.x * V; n < H; n += blockDim.x * V)
       {
         float acc[V] = {};
-        for (int i = 0; i < K; i++)
+        /* SLOTS slots' loads in flight together, then summed in order (one
+         * load at a time, each waited for, was memory latency) */
+        constexpr int SLOTS = 8;
+        for (int i0 = 0; i0 < K; i0 += SLOTS)
           {
-            int k = EAGER ? order[i] : i;
-            if (!live[k])
-              continue;
-            uint4 v = *(const uint4 *) (y + ((size_t) t * K + k) * H + n);
-            const T *e = (const T *) &v;
+            uint4 v[SLOTS];
 #pragma unroll
-            for (int q = 0; q < V; q++)
-              acc[q] = EAGER ? rnd<T> (acc[q] + rnd<T> (to_f (e[q]) * wk[k])) : acc[q] + to_f (e[q]) * wk[k];
+            for (int j = 0; j < SLOTS; j++)
+              {
+                const int k = i0 + j < K ? (EAGER ? order[i0 + j] : i0 + j) : 0;
+                if (i0 + j < K && live[k])
+                  v[j] = *(const uint4 *) (y + ((size_t) t * K + k) * H + n);
+              }
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++)
+              {
+                const int k = i0 + j < K ? (EAGER ? order[i0 + j] : i0 + j) : 0;
+                if (i0 + j >= K || !live[k])
+                  continue;
+                const T *e = (const T *) &v[j];
+#pragma unroll
+                for (int q = 0; q < V; q++)
+                  acc[q] = EAGER ? rnd<T> (acc[q] + rnd<T> (to_f (e[q]) * wk[k])) : acc[q] + to_f (e[q]) * wk[k];
+              }
           }
         uint4 o;
         T *oe = (T *) &o;
@@ -502,6 +516,7 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
   w->r.offsets = (int *) take ((E + 1) * sizeof (int));
   w->r.tile_start = (int *) take ((E + 1) * sizeof (int));
   w->r.sorted_pair = (int *) take (S * sizeof (int));
+  w->r.chunk_counts = (int *) take ((S + ROUTE_CHUNK - 1) / ROUTE_CHUNK * E * sizeof (int));
   w->r.tile_bm = (int *) take (sizeof (int));
   w->h = take (S * p->inter * es);
   w->y = take (S * p->hidden * es);
@@ -539,6 +554,22 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
   return off;
 }
 
+/* route's sort of the (token, slot) rows by expert: one block, or past a
+ * chunk of rows (at most 1,024 experts) a block a chunk */
+void
+launch_route (const MoeCudaExperts &p, int bm, const Route &r, TileChoice choice, cudaStream_t s)
+{
+  const int S = p.tokens * p.top_k, E = p.num_experts, chunks = (S + ROUTE_CHUNK - 1) / ROUTE_CHUNK;
+
+  if (chunks <= 1 || E > 1024)
+    {
+      launch_overlapped (route, 1, 1024, 0, s, p.ids, S, E, bm, r, choice);
+      return;
+    }
+  launch_overlapped (route_count, chunks, 1024, 0, s, p.ids, S, E, r);
+  launch_overlapped (route_scatter, chunks, 1024, 0, s, p.ids, S, E, bm, r, choice);
+}
+
 template <typename T>
 const char *
 launch_combine (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, bool eager = false)
@@ -562,7 +593,7 @@ run_grouped_tc (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   auto k_gu = p.transposed ? grouped_gemm_tc<T, MODE_GATE_UP, false, C> : grouped_gemm_tc<T, MODE_GATE_UP, true, C>;
   auto k_dn = p.transposed ? grouped_gemm_tc<T, MODE_DOWN, false, C> : grouped_gemm_tc<T, MODE_DOWN, true, C>;
 
-  launch_overlapped (route, 1, 1024, 0, s, p.ids, S, E, (int) C::BM, w.r, TileChoice ());
+  launch_route (p, (int) C::BM, w.r, TileChoice (), s);
   cudaFuncSetAttribute (k_gu, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
   cudaFuncSetAttribute (k_dn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) C::SMEM);
   k_gu<<<m_slots * nt_gu, 256, C::SMEM, s>>> (p, w.r, (const T *) p.x, (T *) w.h, nt_gu);
@@ -603,7 +634,7 @@ run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, 
   const float *xs = nullptr, *hs = nullptr;
   const char *msg;
 
-  launch_overlapped (route, 1, 1024, 0, s, p.ids, S, E, (int) WG_BM, w.r, TileChoice ());
+  launch_route (p, (int) WG_BM, w.r, TileChoice (), s);
   if (FP8)
     {
       quantize_fp8<T><<<p.tokens, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs);
@@ -822,7 +853,7 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       q.up_scale = w.up_scale, q.down_scale = w.down_scale, q.scale_dtype = MOE_CUDA_F32;
       return run_grouped_tma<T, FP8, C, D, GATHER> (q, w, s, kc, kd);
     }
-  launch_overlapped (route, 1, 1024, 0, s, p.ids, S, E, (int) C::BM, w.r, choice);
+  launch_route (p, (int) C::BM, w.r, choice, s);
   if (FP8)
     {
       quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs, true, w.r, E, p.top_k);
@@ -961,7 +992,7 @@ run_grouped_simt (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
   const int outs = p.has_gate ? SI_BN / 2 : SI_BN;
   const int nt_gu = (p.inter + outs - 1) / outs, nt_dn = (p.hidden + SI_BN - 1) / SI_BN;
 
-  launch_overlapped (route, 1, 1024, 0, s, p.ids, S, E, (int) SI_BM, w.r, TileChoice ());
+  launch_route (p, (int) SI_BM, w.r, TileChoice (), s);
   if constexpr (WF == MOE_CUDA_WEIGHTS_PLAIN)
     {
       grouped_gemm_simt<T, T, MODE_GATE_UP, WF><<<m_slots * nt_gu, 256, 0, s>>> (p, w.r, (const T *) p.x, (T *) w.h, nt_gu);
