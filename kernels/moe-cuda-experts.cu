@@ -330,23 +330,25 @@ combine (MoeCudaExperts p, const T *y)
         for (int i0 = 0; i0 < K; i0 += SLOTS)
           {
             uint4 v[SLOTS];
+            int slot[SLOTS];   /* the j-th slot summed, or -1: none (past K, or a sentinel's) */
 #pragma unroll
             for (int j = 0; j < SLOTS; j++)
               {
                 const int k = i0 + j < K ? (EAGER ? order[i0 + j] : i0 + j) : 0;
-                if (i0 + j < K && live[k])
+                slot[j] = i0 + j < K && live[k] ? k : -1;
+                if (slot[j] >= 0)
                   v[j] = *(const uint4 *) (y + ((size_t) t * K + k) * H + n);
               }
 #pragma unroll
             for (int j = 0; j < SLOTS; j++)
               {
-                const int k = i0 + j < K ? (EAGER ? order[i0 + j] : i0 + j) : 0;
-                if (i0 + j >= K || !live[k])
+                if (slot[j] < 0)
                   continue;
                 const T *e = (const T *) &v[j];
+                const float w = wk[slot[j]];
 #pragma unroll
                 for (int q = 0; q < V; q++)
-                  acc[q] = EAGER ? rnd<T> (acc[q] + rnd<T> (to_f (e[q]) * wk[k])) : acc[q] + to_f (e[q]) * wk[k];
+                  acc[q] = EAGER ? rnd<T> (acc[q] + rnd<T> (to_f (e[q]) * w)) : acc[q] + to_f (e[q]) * w;
               }
           }
         uint4 o;

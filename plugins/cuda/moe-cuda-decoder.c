@@ -1254,8 +1254,8 @@ send_back (Decoder *d, const MoeDecoderStep *st, MoeTensor *logits_f32, int rows
   g_autoptr(MoeTensor) tokens = NULL;
 
   if (st->tokens == NULL)
-    return moe_cuda_device_copy_to_host (d->dev, st->logits, DATA (logits_f32),
-                                         (gsize) rows * d->m->vocab * sizeof (float), error);
+    return MOE_DEVICE_GET_CLASS (d->dev)->copy_to_host (MOE_DEVICE (d->dev), st->logits, DATA (logits_f32),
+                                                        (gsize) rows * d->m->vocab * sizeof (float), error);
   if ((tokens = new_typed (d, MOE_DTYPE_I64, rows, error)) == NULL)
     return FALSE;
   moe_cuda_argmax (DATA (logits_f32), rows, (int) d->m->vocab, DATA (tokens), stream);

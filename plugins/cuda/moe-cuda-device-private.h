@@ -62,14 +62,6 @@ gboolean moe_cuda_check              (cudaError_t    err,
                                       const char    *what,
                                       GError       **error);
 
-/* @size bytes of device memory to (pageable) host memory, after the work
- * queued on the device's stream: the device's copy_to_host */
-gboolean moe_cuda_device_copy_to_host (MoeCudaDevice  *self,
-                                       gpointer        dst,
-                                       gconstpointer   src,
-                                       gsize           size,
-                                       GError        **error);
-
 /* A CUDA graph's memory: blocks freed while it is captured stay the
  * graph's (its replays use them) until it is destroyed. */
 void     moe_cuda_device_open_graph_pool    (MoeCudaDevice *self);

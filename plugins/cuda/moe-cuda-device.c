@@ -449,16 +449,6 @@ cuda_copy_to_host (MoeDevice      *device,
          check_bad_id (self, error);
 }
 
-gboolean
-moe_cuda_device_copy_to_host (MoeCudaDevice  *self,
-                              gpointer        dst,
-                              gconstpointer   src,
-                              gsize           size,
-                              GError        **error)
-{
-  return cuda_copy_to_host (MOE_DEVICE (self), dst, src, size, error);
-}
-
 static gboolean
 cuda_synchronize (MoeDevice  *device,
                   GError    **error)
