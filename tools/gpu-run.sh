@@ -11,7 +11,8 @@
 #                                   (tools/gpu-bundle.sh --candidate NAME;
 #                                   "this" for the bundle's own), TEST…: only
 #                                   these of the suite (test-cuda-experts …)
-#   tools/gpu-run.sh bench [ARGS]   tools/bench-experts-cuda.py ARGS
+#   tools/gpu-run.sh bench [ARGS]   tools/bench-experts-cuda.py ARGS; SIDE=NAME:
+#                                   with the cuda plugin of candidate NAME
 #   tools/gpu-run.sh attention-bench [ARGS]
 #                                   moe-bench-attention ARGS: the two prefill
 #                                   flash-attention kernels side by side
@@ -214,7 +215,9 @@ for line in sys.stdin:
     exec compute-sanitizer --tool "$tool" --error-exitcode 3 "$root/bin/$test" "$@"
     ;;
   bench)
-    PYTHONUNBUFFERED=1 exec python3 tools/bench-experts-cuda.py --libmoe-bench "$root/bin/moe-bench-cuda-experts" "$@"
+    MOE_PLUGIN_PATH=$(plugins_of "${SIDE:-this}") || exit 1
+    echo "the cuda plugin of ${SIDE:-this} ($(commit_of "${SIDE:-this}"))"
+    PYTHONUNBUFFERED=1 MOE_PLUGIN_PATH=$MOE_PLUGIN_PATH exec python3 tools/bench-experts-cuda.py --libmoe-bench "$root/bin/moe-bench-cuda-experts" "$@"
     ;;
   attention-bench)
     exec "$root/bin/moe-bench-attention" "$@"
