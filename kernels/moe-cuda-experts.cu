@@ -556,6 +556,26 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
   return off;
 }
 
+/* quantize_fp8 of @rows rows of K values, QUANT_BLOCK_GROUPS groups a
+ * block; nullptr, or what the rows lack (the Hopper paths that run it
+ * need K a multiple of 8 already) */
+template <typename T>
+const char *
+launch_quantize_fp8 (const T *in, int rows, int K, unsigned char *q, float *scale, cudaStream_t s,
+                     bool gather = false, Route r = Route (), int E = 0, int top_k = 1)
+{
+  const long groups = (long) rows * ((K + 127) / 128);
+
+  if (K % 8 != 0 || (uintptr_t) in % 16 != 0 || (uintptr_t) q % 8 != 0)
+    return "FP8 activations need rows of a multiple of 8 values, 16-byte aligned";
+  if (groups >= (1L << 31))
+    return "too many rows of FP8 activations for one call";
+  if (groups > 0)
+    launch_overlapped (quantize_fp8<T>, (unsigned) ((groups + QUANT_BLOCK_GROUPS - 1) / QUANT_BLOCK_GROUPS), 256, 0,
+                       s, in, rows, K, q, scale, gather, r, E, top_k);
+  return nullptr;
+}
+
 /* route's sort of the (token, slot) rows by expert: one block, or past a
  * chunk of rows (at most 1,024 experts) a block a chunk */
 void
@@ -639,7 +659,8 @@ run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, 
   launch_route (p, (int) WG_BM, w.r, TileChoice (), s);
   if (FP8)
     {
-      quantize_fp8<T><<<p.tokens, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs);
+      if ((msg = launch_quantize_fp8 ((const T *) p.x, p.tokens, p.hidden, w.xq8, w.xs, s)) != nullptr)
+        return msg;
       x = w.xq8, xs = w.xs;
     }
   if ((msg = launch_wgmma (k_gu, m_slots * nt_gu, p, w.r, x, xs, w.h, nt_gu, s)) != nullptr)
@@ -647,7 +668,8 @@ run_grouped_wgmma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, 
   if (FP8)
     {
       /* h rows are sorted, and only the routed ones were written (or read) */
-      quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq8, w.hs);
+      if ((msg = launch_quantize_fp8 ((const T *) w.h, S, p.inter, w.hq8, w.hs, s)) != nullptr)
+        return msg;
       h = w.hq8, hs = w.hs;
     }
   if ((msg = launch_wgmma (k_dn, m_slots * nt_dn, p, w.r, h, hs, w.y, nt_dn, s)) != nullptr)
@@ -858,14 +880,17 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
   launch_route (p, (int) C::BM, w.r, choice, s);
   if (FP8)
     {
-      quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) p.x, p.hidden, w.xq8, w.xs, true, w.r, E, p.top_k);
+      msg = launch_quantize_fp8 ((const T *) p.x, S, p.hidden, w.xq8, w.xs, s, true, w.r, E, p.top_k);
+      if (msg != nullptr)
+        return msg;
       a = w.xq8, as = w.xs;
     }
   else if (GATHER)
     a = p.x;
   else
     {
-      launch_overlapped (gather_sorted<T>, S, 256, 0, s, (const T *) p.x, w.r, E, p.top_k, p.hidden, (T *) w.xg);
+      launch_overlapped (gather_sorted<T>, (S + GATHER_ROWS - 1) / GATHER_ROWS, 256, 0, s, (const T *) p.x, w.r, E,
+                         p.top_k, p.hidden, (T *) w.xg);
       a = w.xg;
     }
   if ((msg = launch_tma_projection<C> (MODE_GATE_UP, kc, p, w, a, es, as, s)) != nullptr ||
@@ -875,7 +900,8 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
   if (FP8)
     {
       /* h rows are sorted, and only the routed ones were written (or read) */
-      quantize_fp8<T><<<S, 256, 0, s>>> ((const T *) w.h, p.inter, w.hq8, w.hs);
+      if ((msg = launch_quantize_fp8 ((const T *) w.h, S, p.inter, w.hq8, w.hs, s)) != nullptr)
+        return msg;
       a = w.hq8, as = w.hs;
     }
   if ((msg = launch_tma_projection<C> (MODE_DOWN, kc, p, w, a, es, as, s)) != nullptr ||
