@@ -889,8 +889,7 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
     a = p.x;
   else
     {
-      launch_overlapped (gather_sorted<T>, (S + GATHER_ROWS - 1) / GATHER_ROWS, 256, 0, s, (const T *) p.x, w.r, E,
-                         p.top_k, p.hidden, (T *) w.xg);
+      launch_overlapped (gather_sorted<T>, S, 256, 0, s, (const T *) p.x, w.r, E, p.top_k, p.hidden, (T *) w.xg);
       a = w.xg;
     }
   if ((msg = launch_tma_projection<C> (MODE_GATE_UP, kc, p, w, a, es, as, s)) != nullptr ||

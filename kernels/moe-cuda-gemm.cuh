@@ -1777,35 +1777,20 @@ tma_gemm (const CUtensorMap *ta, const CUtensorMap *tb, const MoeCudaExperts &p,
 }
 
 /* Rows in sorted order for the bulk tensor copies: row i of dst is x's
- * token of sorted row i (gate_up's A), for the rows that were routed.
- * GATHER_ROWS rows a block, their loads in flight together (a row a block,
- * a 16-byte load a thread, was bound by memory latency). */
-constexpr int GATHER_ROWS = 4;
-
+ * token of sorted row i (gate_up's A), for the rows that were routed. */
 template <typename T>
 __global__ void __launch_bounds__ (256)
 gather_sorted (const T *x, Route r, int E, int top_k, int H, T *dst)
 {
-  const int row0 = blockIdx.x * GATHER_ROWS, n = H * (int) sizeof (T) / 16;
-  const uint4 *src[GATHER_ROWS];
+  const int row = blockIdx.x;
 
   pdl_begin ();
-  const int live = r.offsets[E];
-#pragma unroll
-  for (int u = 0; u < GATHER_ROWS; u++)
-    src[u] = row0 + u < live ? (const uint4 *) (x + (size_t) (r.sorted_pair[row0 + u] / top_k) * H) : nullptr;
-  for (int i = threadIdx.x; i < n; i += blockDim.x)
-    {
-      uint4 v[GATHER_ROWS];
-#pragma unroll
-      for (int u = 0; u < GATHER_ROWS; u++)
-        if (src[u] != nullptr)
-          v[u] = src[u][i];
-#pragma unroll
-      for (int u = 0; u < GATHER_ROWS; u++)
-        if (src[u] != nullptr)
-          ((uint4 *) (dst + (size_t) (row0 + u) * H))[i] = v[u];
-    }
+  if (row >= r.offsets[E])
+    return;
+  const uint4 *src = (const uint4 *) (x + (size_t) (r.sorted_pair[row] / top_k) * H);
+  uint4 *out = (uint4 *) (dst + (size_t) row * H);
+  for (int i = threadIdx.x; i < H * (int) sizeof (T) / 16; i += blockDim.x)
+    out[i] = src[i];
 }
 
 /* The dynamic activation scheme for the FP8 tensor cores: each row's
@@ -1816,11 +1801,10 @@ gather_sorted (const T *x, Route r, int E, int top_k, int H, T *dst)
  *
  * A half-warp takes a group, 8 values a lane, and QUANT_UNROLL groups at
  * once (the block's 16 half-warps consecutive groups in each), their loads
- * all in flight before any is used: a block a row and a warp a group, 4
- * values a lane and one load at a time, was bound by memory latency (72 µs
- * a call for Qwen3's FP8 layer at 4096 tokens, H200, ~4× what its bytes
- * take). rows · ⌈K/128⌉ < 2³² (an int per group index: a 64-bit division
- * a group cost more than the loads). K a multiple of 8, @in 16-byte and @q
+ * all in flight before any is used (a block a row and a warp a group, 4
+ * values a lane, took 77 µs a call on average in Qwen3's FP8 layer at 4096
+ * tokens on an H100, this 60). rows · ⌈K/128⌉ < 2³¹ (an int per group
+ * index: a 64-bit division a group cost more than the loads). K a multiple of 8, @in 16-byte and @q
  * 8-byte aligned (launch_quantize_fp8 checks): one vector load and one
  * vector store a lane. */
 constexpr int QUANT_UNROLL = 4, QUANT_BLOCK_GROUPS = 16 * QUANT_UNROLL;
