@@ -243,6 +243,9 @@ moe_cpu_gather_rows (MoeDType      dtype,
                      MOE_DTYPE_F32, dst + r * width, width);
 }
 
+/* what moe_cpu_fault_in writes one byte of (the smallest page here) */
+#define FAULT_PAGE ((gsize) 4096)
+
 typedef struct {
   volatile char *start;
   gsize          size;
@@ -253,7 +256,7 @@ fault_in_slice (gpointer data)
 {
   FaultSlice *s = data;
 
-  for (gsize off = 0; off < s->size; off += 4096)
+  for (gsize off = 0; off < s->size; off += FAULT_PAGE)
     s->start[off] = 0;
   /* the last page, where the slice does not start at a page's start */
   if (s->size > 0)
@@ -270,9 +273,9 @@ first_page_resident (gpointer mem)
 {
 #ifdef G_OS_UNIX
   unsigned char in_core = 0;
-  gpointer page = (gpointer) (((guintptr) mem + 4095) & ~(guintptr) 4095);
+  gpointer page = (gpointer) (((guintptr) mem + FAULT_PAGE - 1) & ~(guintptr) (FAULT_PAGE - 1));
 
-  return mincore (page, 4096, (void *) &in_core) == 0 && (in_core & 1);
+  return mincore (page, FAULT_PAGE, (void *) &in_core) == 0 && (in_core & 1);
 #else
   return FALSE;
 #endif
@@ -295,7 +298,7 @@ moe_cpu_fault_in (gpointer mem,
   if (size < MOE_CPU_FAULT_IN_MIN || first_page_resident (mem))
     return;
   n = CLAMP (g_get_num_processors (), 1, 8);
-  per = ((size + n - 1) / n + 4095) / 4096 * 4096;
+  per = ((size + n - 1) / n + FAULT_PAGE - 1) / FAULT_PAGE * FAULT_PAGE;
   for (guint i = 0; i < n; i++)
     {
       gsize off = MIN (i * per, size);

@@ -215,9 +215,10 @@ for line in sys.stdin:
     exec compute-sanitizer --tool "$tool" --error-exitcode 3 "$root/bin/$test" "$@"
     ;;
   bench)
+    # (exported above: the benchmark's runs inherit it)
     MOE_PLUGIN_PATH=$(plugins_of "${SIDE:-this}") || exit 1
     echo "the cuda plugin of ${SIDE:-this} ($(commit_of "${SIDE:-this}"))"
-    PYTHONUNBUFFERED=1 MOE_PLUGIN_PATH=$MOE_PLUGIN_PATH exec python3 tools/bench-experts-cuda.py --libmoe-bench "$root/bin/moe-bench-cuda-experts" "$@"
+    PYTHONUNBUFFERED=1 exec python3 tools/bench-experts-cuda.py --libmoe-bench "$root/bin/moe-bench-cuda-experts" "$@"
     ;;
   attention-bench)
     exec "$root/bin/moe-bench-attention" "$@"
