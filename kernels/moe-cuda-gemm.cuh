@@ -1803,11 +1803,12 @@ gather_sorted (const T *x, Route r, int E, int top_k, int H, T *dst)
  * once (the block's 16 half-warps consecutive groups in each), their loads
  * all in flight before any is used (a block a row and a warp a group, 4
  * values a lane, took 77 µs a call on average in Qwen3's FP8 layer at 4096
- * tokens on an H100, this 60). rows · ⌈K/128⌉ < 2³¹ (a 32-bit group
+ * tokens on an H100, this 60; two groups a thread instead of four, 56 —
+ * four took 63 registers). rows · ⌈K/128⌉ < 2³¹ (a 32-bit group
  * index: a 64-bit division a group cost more than the loads). K a
  * multiple of 8, @in 16-byte and @q 8-byte aligned (launch_quantize_fp8
  * checks): one vector load and one vector store a lane. */
-constexpr int QUANT_UNROLL = 4, QUANT_BLOCK_GROUPS = 16 * QUANT_UNROLL;
+constexpr int QUANT_UNROLL = 2, QUANT_BLOCK_GROUPS = 16 * QUANT_UNROLL;
 
 /* eight consecutive values from 16-byte aligned p, as floats */
 __device__ __forceinline__ void
