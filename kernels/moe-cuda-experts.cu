@@ -1215,7 +1215,7 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
       unsigned packed = 0;
 #pragma unroll
       for (int j = 0; j < 4; j++)
-        packed |= (unsigned) __nv_cvt_float_to_fp8 (v[j] / s, __NV_SATFINITE, __NV_E4M3) << (8 * j);
+        packed |= fp8_quantize (v[j], s) << (8 * j);
       if (kb * 128 + 4 * lane < K)
         *(unsigned *) (xq + kb * 128 + 4 * lane) = packed;
       if (lane == 0)

@@ -249,9 +249,23 @@ dot_quantized (const MoeCudaExperts &p, int e, int row, const float *x, int lane
   return acc;
 }
 
-/* The dynamic activation scheme: each row's 128-wide groups scaled by
- * amax / 448 (1 when all zero), rounded to e4m3 (nearest even, saturated)
- * and scaled back, as float. One block a row, one warp a group. */
+/* The dynamic activation scheme's rule, one place for every kernel that
+ * quantizes: a 128-wide group's scale from its largest magnitude, amax /
+ * 448 (e4m3's largest), or 1 when the group is all zero … */
+__device__ __forceinline__ float
+fp8_group_scale (float amax)
+{
+  return amax > 0.0f ? amax / 448.0f : 1.0f;
+}
+
+/* … and a value of the group as the e4m3 byte of v / s (nearest even,
+ * saturated) */
+__device__ __forceinline__ unsigned
+fp8_quantize (float v, float s)
+{
+  return (unsigned) __nv_cvt_float_to_fp8 (v / s, __NV_SATFINITE, __NV_E4M3);
+}
+
 /* One warp's 128-wide group of a row, four values a lane (input
  * g + 4·lane + j, zero past K), and its dynamic e4m3 scale: amax / 448,
  * or 1 when the group is all zero. */
@@ -270,9 +284,11 @@ load_group_fp8 (const T *row, int g, int K, int lane, float v[4])
 #pragma unroll
   for (int o = 16; o > 0; o /= 2)
     amax = fmaxf (amax, __shfl_xor_sync (0xffffffffu, amax, o));
-  return amax > 0.0f ? amax / 448.0f : 1.0f;
+  return fp8_group_scale (amax);
 }
 
+/* The dynamic activation scheme's rounding of each row's 128-wide groups,
+ * scaled back, as float. One block a row, one warp a group. */
 template <typename T>
 __global__ void __launch_bounds__ (256)
 quantize_activations (const T *in, int K, float *out)
@@ -288,7 +304,7 @@ quantize_activations (const T *in, int K, float *out)
         {
           int k = g + lane * 4 + j;
           if (k < K)
-            out[row * K + k] = e4m3_to_f (__nv_cvt_float_to_fp8 (v[j] / s, __NV_SATFINITE, __NV_E4M3)) * s;
+            out[row * K + k] = e4m3_to_f (fp8_quantize (v[j], s)) * s;
         }
     }
 }
@@ -1874,7 +1890,7 @@ quantize_fp8 (const T *__restrict__ in, int rows, int K, unsigned char *__restri
 #pragma unroll
       for (int o = 8; o > 0; o /= 2)
         amax = fmaxf (amax, __shfl_xor_sync (0xffffffffu, amax, o));
-      const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+      const float s = fp8_group_scale (amax);
       if (!ok[u])
         continue;
       if (k0[u] < K)
@@ -1882,7 +1898,7 @@ quantize_fp8 (const T *__restrict__ in, int rows, int K, unsigned char *__restri
           unsigned b[8];
 #pragma unroll
           for (int e = 0; e < 8; e++)
-            b[e] = __nv_cvt_float_to_fp8 (v[u][e] / s, __NV_SATFINITE, __NV_E4M3);
+            b[e] = fp8_quantize (v[u][e], s);
           *(uint2 *) (q + (size_t) row[u] * K + k0[u]) = make_uint2 (b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24,
                                                                     b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24);
         }
