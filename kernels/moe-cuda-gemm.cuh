@@ -267,8 +267,8 @@ fp8_quantize (float v, float s)
 }
 
 /* One warp's 128-wide group of a row, four values a lane (input
- * g + 4·lane + j, zero past K), and its dynamic e4m3 scale: amax / 448,
- * or 1 when the group is all zero. */
+ * g + 4·lane + j, zero past K), and its dynamic e4m3 scale
+ * (fp8_group_scale). */
 template <typename T>
 __device__ __forceinline__ float
 load_group_fp8 (const T *row, int g, int K, int lane, float v[4])
@@ -1810,8 +1810,8 @@ gather_sorted (const T *x, Route r, int E, int top_k, int H, T *dst)
 }
 
 /* The dynamic activation scheme for the FP8 tensor cores: each row's
- * 128-wide groups scaled by amax / 448 (1 when all zero) and rounded to
- * e4m3 (nearest even, saturated), kept as bytes plus one float scale per
+ * 128-wide groups scaled and rounded to e4m3 (fp8_group_scale,
+ * fp8_quantize), kept as bytes plus one float scale per
  * group ([⌈K/128⌉, rows]). With @gather, row i of the output is sorted row
  * i of @r (its token's x), and rows past the routed ones are skipped.
  *
