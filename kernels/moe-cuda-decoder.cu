@@ -12,6 +12,9 @@
 #include "moe-cuda-elements.cuh"
 #include "moe-cuda-gemv.cuh"
 
+#include <cooperative_groups.h>
+
+#include <algorithm>
 #include <cfloat>
 #include <climits>
 #include <initializer_list>
@@ -807,17 +810,20 @@ warp_top_k (const float *scores, unsigned char *taken, int n, int K, int64_t *id
     }
 }
 
-/* x · w_e for every expert e in logits[], by the block's warps, a warp per
- * expert: the router's product for a few rows, where a GEMV kernel of its
- * own and the launch between cost more than the product. Each warp's first
- * weights go out before pdl_wait () (they never depend on the kernels
- * before); @in a multiple of 16 bytes' elements. */
+/* x · w_e for the experts e of this block's share into logits[], a warp
+ * per expert: the router's product for a few rows, where a GEMV kernel of
+ * its own and the launch between cost more than the product. Block @rank
+ * of the row's @blocks takes experts rank·warps + warp, then every
+ * blocks·warps-th. Each warp's first weights go out before pdl_wait ()
+ * (they never depend on the kernels before); @in a multiple of 16 bytes'
+ * elements. */
 template <typename T>
 __device__ __forceinline__ void
-router_logits (const T *w, const T *x, int E, int in, float *logits)
+router_logits (const T *w, const T *x, int E, int in, int rank, int blocks, float *logits)
 {
   constexpr int VE = 16 / sizeof (T), U = 8;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int warp = rank * warps + threadIdx.x / 32, stride = blocks * warps;
   const int steps = (in / VE + 31) / 32;   /* 16-byte chunks a lane takes */
   const uint4 zero = make_uint4 (0, 0, 0, 0);
   uint4 wv[U];
@@ -833,7 +839,7 @@ router_logits (const T *w, const T *x, int E, int in, float *logits)
   if (warp < E)
     load (warp, 0);
   pdl_wait ();
-  for (int e = warp; e < E; e += warps)
+  for (int e = warp; e < E; e += stride)
     {
       const uint4 *xr = (const uint4 *) x + lane;
       float acc = 0;
@@ -858,14 +864,18 @@ router_logits (const T *w, const T *x, int E, int in, float *logits)
     }
 }
 
-/* One block per row: the choice, as moe-transformer.c's route(), by its
- * first warp; with r.w, the block's warps first make the row's logits. */
+/* The choice for a row, as moe-transformer.c's route(), by its block's
+ * first warp; with r.w, the row's @blocks blocks (a cluster of them; one
+ * block before sm_90) first make its logits, each writing its experts'
+ * into the first block's shared memory: one SM reading the whole router
+ * (60 × 2048 weights, 245 KB) took ~17 µs of a decode step alone. */
 template <typename T>
 __global__ void __launch_bounds__ (1024)
-route_kernel (MoeCudaRouter r)
+route_kernel (MoeCudaRouter r, int blocks)
 {
   extern __shared__ int64_t route_sm[];
   int E = r.num_experts, K = r.top_k;
+  const int row = blockIdx.x / blocks, rank = blockIdx.x % blocks;
   /* the choice and its weights built in shared memory, written out at the
    * end: reading them back from global memory cost a round trip each */
   int64_t *ids = route_sm;
@@ -876,16 +886,29 @@ route_kernel (MoeCudaRouter r)
 
   if (r.w != nullptr)
     {
-      router_logits<T> ((const T *) r.w, (const T *) r.x + blockIdx.x * (size_t) r.ldx, E, r.hidden, logits);
-      __syncthreads ();
-      if (threadIdx.x >= 32)
+      const T *x = (const T *) r.x + row * (size_t) r.ldx;
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (blocks > 1)
+        {
+          namespace cg = cooperative_groups;
+          cg::cluster_group cluster = cg::this_cluster ();
+          router_logits<T> ((const T *) r.w, x, E, r.hidden, rank, blocks, cluster.map_shared_rank (logits, 0));
+          cluster.sync ();
+        }
+      else
+#endif
+        {
+          router_logits<T> ((const T *) r.w, x, E, r.hidden, 0, 1, logits);
+          __syncthreads ();
+        }
+      if (rank != 0 || threadIdx.x >= 32)
         return;
     }
   else
     pdl_begin ();
   for (int e = lane; e < E; e += 32)
     {
-      float v = (r.w != nullptr ? logits[e] : r.logits[blockIdx.x * (size_t) E + e]) +
+      float v = (r.w != nullptr ? logits[e] : r.logits[row * (size_t) E + e]) +
                 (r.bias != nullptr ? r.bias[e] : 0.0f);
       /* DeepSeek routes in float32 whatever the model dtype */
       logits[e] = r.kind == MOE_CUDA_ROUTER_SIGMOID_GROUPED ? v : rnd<T> (v);
@@ -995,8 +1018,8 @@ route_kernel (MoeCudaRouter r)
   __syncwarp ();
   for (int k = lane; k < K; k += 32)
     {
-      r.ids[blockIdx.x * (size_t) K + k] = ids[k];
-      r.weights[blockIdx.x * (size_t) K + k] = w[k];
+      r.ids[row * (size_t) K + k] = ids[k];
+      r.weights[row * (size_t) K + k] = w[k];
     }
 }
 
@@ -1374,10 +1397,15 @@ moe_cuda_route (const MoeCudaRouter *r, cudaStream_t s)
   size_t smem = (size_t) r->top_k * (sizeof (int64_t) + sizeof (float)) +
                 (size_t) 3 * r->num_experts * sizeof (float) + ((r->num_experts + 15) / 16) * 16 +
                 (size_t) (r->n_group > 0 ? r->n_group : 1) * sizeof (float);
+  /* with the router's weights, a warp an expert over a cluster of up to 8
+   * blocks a row (the portable cluster size) on sm_90+, else one block of
+   * up to 32 warps; the choice itself is one warp's */
+  const int blocks = r->w != NULL && device_cc () >= 90 ? std::min (8, (r->num_experts + 3) / 4) : 1;
+  const int warps = r->w != NULL ? std::min (32, (r->num_experts + blocks - 1) / blocks) : 1;
   DISPATCH (r->dtype,
             if (smem > 48 * 1024)
               cudaFuncSetAttribute (route_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
-            launch_overlapped (route_kernel<T>, r->rows, r->w != NULL ? 1024 : 32, smem, s, *r));
+            launch_overlapped_clusters (route_kernel<T>, r->rows * blocks, 32 * warps, blocks, smem, s, *r, blocks));
 }
 
 template <typename T, int EPI>

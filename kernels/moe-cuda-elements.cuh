@@ -190,22 +190,39 @@ device_has_fp8_mma ()
   return device_cc () >= 89;
 }
 
+/* @kernel on @grid blocks in clusters of @cluster consecutive blocks
+ * (sm_90+; 1: no clusters), overlapped as above */
 template <typename... Params, typename... Args>
 void
-launch_overlapped (void (*kernel) (Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args)
+launch_overlapped_clusters (void (*kernel) (Params...), dim3 grid, dim3 block, unsigned cluster, size_t smem,
+                            cudaStream_t s, Args... args)
 {
-  cudaLaunchAttribute attr;
+  cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = {};
 
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl_enabled () ? 1 : 0;
+  cfg.attrs = attr;
+  if (pdl_enabled ())
+    {
+      attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[cfg.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+    }
+  if (cluster > 1)
+    {
+      attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+      attr[cfg.numAttrs++].val.clusterDim = { cluster, 1, 1 };
+    }
   cudaLaunchKernelEx (&cfg, kernel, args...);
+}
+
+template <typename... Params, typename... Args>
+void
+launch_overlapped (void (*kernel) (Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args)
+{
+  launch_overlapped_clusters (kernel, grid, block, 1, smem, s, args...);
 }
 #endif
 
