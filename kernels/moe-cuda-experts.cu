@@ -1126,6 +1126,87 @@ rowwise_mma (MoeCudaExperts p, const T *src_rows, T *h, T *y)
     }
 }
 
+/* A token's bad expert ids (outside 0 … E, E the expert-parallel
+ * sentinel) reported to the host through mapped memory, read at its next
+ * synchronization; TRUE for a slot that has an expert to multiply */
+__device__ __forceinline__ bool
+check_slot (const MoeCudaExperts &p, int t, int k, long long id, bool report)
+{
+  if (report && (id < 0 || id > p.num_experts))
+    {
+      p.bad_id[1] = id;
+      p.bad_id[0] = (long long) t * p.top_k + k + 1;
+      __threadfence_system ();
+    }
+  return (unsigned long long) id < (unsigned long long) p.num_experts;
+}
+
+/* batched_mm's down product and the combine in one kernel, for up to KP
+ * slots a token (bf16/f16 K-major weights, as rowwise_mma): a block per
+ * (token, 16 outputs) multiplies the token's K rows of h by their experts'
+ * down weights together — weight set m is slot m's expert and the K rows
+ * are B's columns, of whose products only the diagonal (row m by expert m)
+ * is kept: the tensor cores' spare columns cost nothing in a product bound
+ * by the weights' bytes — then sums the slots as combine<T, false> does
+ * (each slot's output rounded to T, times its routing weight, added in
+ * slot order in float32, rounded once). One kernel fewer on a decode
+ * step's critical path. */
+template <typename T, int KP>
+__global__ void __launch_bounds__ (256)
+rowwise_down_combine (MoeCudaExperts p, const T *h)
+{
+  __shared__ float slot_out[KP][16];
+  const int t = blockIdx.x, K = p.top_k, H = p.hidden, n0 = blockIdx.y * 16;
+  long long id[KP];
+  bool live[KP];
+  float s[KP];
+  int n, r;
+
+  pdl_begin ();
+  long long first = -1;   /* the first live slot's expert */
+#pragma unroll
+  for (int m = 0; m < KP; m++)
+    {
+      id[m] = m < K ? p.ids[(size_t) t * K + m] : -1;
+      live[m] = m < K && check_slot (p, t, m, id[m], blockIdx.y == 0 && threadIdx.x == 0);
+      if (live[m] && first < 0)
+        first = id[m];
+    }
+  if (first < 0)
+    {
+      /* no expert for this token (all sentinels): zeros, as combine */
+      if (threadIdx.x < 16 && n0 + (int) threadIdx.x < H)
+        ((T *) p.out)[(size_t) t * H + n0 + threadIdx.x] = from_f<T> (0.0f);
+      return;
+    }
+  /* a slot without an expert reads the first live slot's rows again (from
+   * L1) and its product is dropped */
+  auto weight_row = [&] (int m, int o) {
+    return (const T *) p.down + ((size_t) (live[m] ? id[m] : first) * H + o) * p.inter;
+  };
+  const bool has = gemv_mma_sums<T, 1, KP> (weight_row, n0, H, p.inter, h + (size_t) t * K * p.inter, p.inter, K,
+                                           false, s, &n, &r);
+  if (has)
+    {
+      float d = 0.0f;
+#pragma unroll
+      for (int m = 0; m < KP; m++)
+        if (m == r)
+          d = live[m] ? rnd<T> (down_finish<T> (p, (int) id[m], n, s[m])) : 0.0f;
+      slot_out[r][n - n0] = d;
+    }
+  __syncthreads ();
+  if (threadIdx.x < 16 && n0 + (int) threadIdx.x < H)
+    {
+      float acc = 0.0f;
+#pragma unroll
+      for (int m = 0; m < KP; m++)
+        if (live[m])
+          acc += slot_out[m][threadIdx.x] * load_any (p.routing, p.routing_dtype, (size_t) t * K + m);
+      ((T *) p.out)[(size_t) t * H + n0 + threadIdx.x] = from_f<T> (acc);
+    }
+}
+
 /* FP8 weights on the tensor cores for one row's outputs, the dynamic
  * activation scheme made in the kernel: a block per (row, 16 outputs), rows
  * fastest as in rowwise_mma; M = 2 for gate/up pairs (the gated experts
@@ -1291,6 +1372,20 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
     }
 }
 
+/* rowwise_down_combine's slot count for @top_k slots a token (a power of
+ * two up to 8), or 0: down and the combine apart (more slots, or
+ * MOE_CUDA_DOWN_COMBINE=0 for measuring) */
+static int
+combine_slots (int top_k)
+{
+  static int on = -1;
+  if (on < 0)
+    on = getenv ("MOE_CUDA_DOWN_COMBINE") == nullptr || strcmp (getenv ("MOE_CUDA_DOWN_COMBINE"), "0") != 0;
+  if (!on || top_k > 8)
+    return 0;
+  return top_k <= 1 ? 1 : top_k <= 2 ? 2 : top_k <= 4 ? 4 : 8;
+}
+
 template <typename T, int WF>
 const char *
 run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
@@ -1310,10 +1405,20 @@ run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
       {
         const bool down32 = p.hidden % 32 == 0;
         dim3 mma_gu (S, (p.inter + 15) / 16), mma_dn (S, (p.hidden + 15) / (down32 ? 32 : 16));
+        dim3 mma_dc (p.tokens, (p.hidden + 15) / 16);
         if (p.has_gate)
           launch_overlapped (rowwise_mma<T, MODE_GATE_UP, 2>, mma_gu, 256, 0, s, p, (const T *) p.x, (T *) w.h, (T *) w.y);
         else
           launch_overlapped (rowwise_mma<T, MODE_GATE_UP, 1>, mma_gu, 256, 0, s, p, (const T *) p.x, (T *) w.h, (T *) w.y);
+        /* up to 8 slots a token: down and the combine as one kernel */
+        switch (combine_slots (p.top_k))
+          {
+          case 1: launch_overlapped (rowwise_down_combine<T, 1>, mma_dc, 256, 0, s, p, (const T *) w.h); return nullptr;
+          case 2: launch_overlapped (rowwise_down_combine<T, 2>, mma_dc, 256, 0, s, p, (const T *) w.h); return nullptr;
+          case 4: launch_overlapped (rowwise_down_combine<T, 4>, mma_dc, 256, 0, s, p, (const T *) w.h); return nullptr;
+          case 8: launch_overlapped (rowwise_down_combine<T, 8>, mma_dc, 256, 0, s, p, (const T *) w.h); return nullptr;
+          default: break;
+          }
         if (down32)
           launch_overlapped (rowwise_mma<T, MODE_DOWN, 2>, mma_dn, 256, 0, s, p, (const T *) w.h, (T *) w.h, (T *) w.y);
         else
