@@ -280,6 +280,21 @@ rowwise (MoeCudaExperts p, const TA *src_rows, T *h, T *y)
 
 /* ---- combine: out[t] = Σ_k w[t,k] · y[t*K + k], in slot order --------- */
 
+/* A token's bad expert ids (outside 0 … E, E the expert-parallel
+ * sentinel) reported to the host through mapped memory, read at its next
+ * synchronization; TRUE for a slot that has an expert to multiply */
+__device__ __forceinline__ bool
+check_slot (const MoeCudaExperts &p, int t, int k, long long id, bool report)
+{
+  if (report && (id < 0 || id > p.num_experts))
+    {
+      p.bad_id[1] = id;
+      p.bad_id[0] = (long long) t * p.top_k + k + 1;
+      __threadfence_system ();
+    }
+  return (unsigned long long) id < (unsigned long long) p.num_experts;
+}
+
 /* The weighted sum of each token's K slot outputs. EAGER: as transformers'
  * eager loop, expert by expert in ascending id order, each contribution
  * rounded to the dtype and added to the dtype-rounded sum (index_add_ on a
@@ -291,21 +306,13 @@ combine (MoeCudaExperts p, const T *y)
   pdl_begin ();
   __shared__ float wk[64];
   __shared__ int live[64], order[64];
-  const int t = blockIdx.x, K = p.top_k, H = p.hidden, E = p.num_experts;
+  const int t = blockIdx.x, K = p.top_k, H = p.hidden;
   constexpr int V = 16 / sizeof (T);
 
-  /* the ids are checked here, on the device: a bad one is reported to the
-   * host through mapped memory and read at its next synchronization */
+  /* the ids are checked here, on the device */
   for (int k = threadIdx.x; k < K; k += blockDim.x)
     {
-      long long id = p.ids[(size_t) t * K + k];
-      if (id < 0 || id > E)
-        {
-          p.bad_id[1] = id;
-          p.bad_id[0] = (long long) t * K + k + 1;
-          __threadfence_system ();
-        }
-      live[k] = (unsigned long long) id < (unsigned long long) E;
+      live[k] = check_slot (p, t, k, p.ids[(size_t) t * K + k], true);
       wk[k] = load_any (p.routing, p.routing_dtype, (size_t) t * K + k);
     }
   if (EAGER && threadIdx.x == 0)
@@ -1124,21 +1131,6 @@ rowwise_mma (MoeCudaExperts p, const T *src_rows, T *h, T *y)
       gate_up_rows (p, n, &gr, &ur);
       h[(size_t) pair * p.inter + n] = from_f<T> (gate_up_finish<T> (p, e, gr, ur, s[0], s[M - 1]));
     }
-}
-
-/* A token's bad expert ids (outside 0 … E, E the expert-parallel
- * sentinel) reported to the host through mapped memory, read at its next
- * synchronization; TRUE for a slot that has an expert to multiply */
-__device__ __forceinline__ bool
-check_slot (const MoeCudaExperts &p, int t, int k, long long id, bool report)
-{
-  if (report && (id < 0 || id > p.num_experts))
-    {
-      p.bad_id[1] = id;
-      p.bad_id[0] = (long long) t * p.top_k + k + 1;
-      __threadfence_system ();
-    }
-  return (unsigned long long) id < (unsigned long long) p.num_experts;
 }
 
 /* batched_mm's down product and the combine in one kernel, for up to KP
