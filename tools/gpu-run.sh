@@ -33,7 +33,17 @@
 #                                   checkpoint (model-bench --layers 4
 #                                   --model-dir DIR writes a short one);
 #                                   PROFILE_TAIL=N: also the last N kernels
-#                                   in launch order (one step's sequence)
+#                                   in launch order (one step's sequence);
+#                                   SIDE=NAME: with candidate NAME's plugin
+#   tools/gpu-run.sh stalls REGEX [ARGS]
+#                                   moe-bench-model ARGS (default: a decode
+#                                   at batch 1, -p 0 -b 1 -s 8 -r 1; the
+#                                   checkpoint as profile's) under Nsight
+#                                   Compute's stall sampling for the kernels
+#                                   named by REGEX (16 launches after 12):
+#                                   where their warps wait, SASS line by
+#                                   line (tools/ncu-stalls.py); SIDE=NAME as
+#                                   profile
 #   tools/gpu-run.sh profile-experts [ARGS]
 #                                   moe-bench-cuda-experts ARGS (default:
 #                                   qwen1.5-moe's layer, grouped_mm, T = 2048,
@@ -257,12 +267,28 @@ for line in sys.stdin:
     ;;
   profile)
     ncu=$(find_ncu) || exit 1
+    dir=$(side_of "${SIDE:-this}") || exit 1
     # shellcheck disable=SC2086 # NCU_ARGS: more ncu options (--launch-skip N …)
-    "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum --print-units base ${NCU_ARGS:-} \
-      "$root/bin/moe-bench-model" -m "${PROFILE_MODEL:-/tmp/qwen1.5-moe-a2.7b-random}" --device cuda -d bfloat16 "$@" \
+    MOE_PLUGIN_PATH=$dir/plugins "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum \
+      --print-units base ${NCU_ARGS:-} \
+      "$dir/bin/moe-bench-model" -m "${PROFILE_MODEL:-/tmp/qwen1.5-moe-a2.7b-random}" --device cuda -d bfloat16 "$@" \
       > /tmp/ncu.csv 2> /tmp/ncu.err || { tail -20 /tmp/ncu.err; exit 1; }
-    python3 tools/ncu-summary.py /tmp/ncu.csv ${PROFILE_TAIL:-0}
+    python3 tools/ncu-summary.py /tmp/ncu.csv "${PROFILE_TAIL:-0}"
+    ;;
+  stalls)
+    ncu=$(find_ncu) || exit 1
+    regex=${1:?usage: $0 stalls REGEX [ARGS]}
+    shift
+    [ $# -gt 0 ] || set -- -p 0 -b 1 -s 8 -r 1
+    dir=$(side_of "${SIDE:-this}") || exit 1
+    echo "the cuda plugin of ${SIDE:-this} ($(commit_of "${SIDE:-this}"))"
+    MOE_PLUGIN_PATH=$dir/plugins "$ncu" --clock-control none -k "regex:$regex" --launch-skip 12 --launch-count 16 \
+      --section WarpStateStats --section SourceCounters -f -o /tmp/stalls \
+      "$dir/bin/moe-bench-model" -m "${PROFILE_MODEL:-/tmp/qwen1.5-moe-a2.7b-random}" --device cuda -d bfloat16 "$@" \
+      > /tmp/stalls.log 2>&1 || { tail -20 /tmp/stalls.log; exit 1; }
+    "$ncu" -i /tmp/stalls.ncu-rep --page source --csv --print-source sass > /tmp/stalls.csv || exit 1
+    python3 tools/ncu-stalls.py /tmp/stalls.csv
     ;;
   *)
-    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | attention-compare [ARGS] | model-bench [ARGS] | profile [ARGS] | profile-experts [ARGS] | profile-layer [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | attention-compare [ARGS] | model-bench [ARGS] | profile [ARGS] | stalls REGEX [ARGS] | profile-experts [ARGS] | profile-layer [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac
