@@ -161,16 +161,21 @@ device_cc ()
   return cc;
 }
 
+/* Whether the measuring switch @name is on: unless it is set to "0" */
+inline bool
+env_switch_on (const char *name)
+{
+  const char *env = getenv (name);
+  return env == nullptr || strcmp (env, "0") != 0;
+}
+
 /* on a GPU of compute capability 9.0 or more, unless MOE_CUDA_PDL=0 */
 inline bool
 pdl_enabled ()
 {
   static int on = -1;
   if (on < 0)
-    {
-      const char *env = getenv ("MOE_CUDA_PDL");
-      on = device_cc () >= 90 && (env == nullptr || strcmp (env, "0") != 0);
-    }
+    on = device_cc () >= 90 && env_switch_on ("MOE_CUDA_PDL");
   return on;
 }
 

@@ -1372,9 +1372,7 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
 static int
 combine_slots (int tokens, int top_k)
 {
-  static int on = -1;
-  if (on < 0)
-    on = getenv ("MOE_CUDA_DOWN_COMBINE") == nullptr || strcmp (getenv ("MOE_CUDA_DOWN_COMBINE"), "0") != 0;
+  static const bool on = env_switch_on ("MOE_CUDA_DOWN_COMBINE");
   if (!on || tokens > 4 || top_k > 8)
     return 0;
   return top_k <= 1 ? 1 : top_k <= 2 ? 2 : top_k <= 4 ? 4 : 8;
