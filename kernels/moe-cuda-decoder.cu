@@ -508,14 +508,15 @@ template <typename T>
 __global__ void
 attention_kernel (MoeCudaAttention a)
 {
-  pdl_begin ();
   extern __shared__ float sm[];
-  float *qs = sm, *score = sm + a.dk;
+  const int keys = a.split_keys > 0 ? a.split_keys : (a.past_dev != nullptr ? a.max_len : a.past + a.n_tokens);
+  float *qs = sm, *score = sm + a.dk, *k_new = score + keys;
   int row = blockIdx.x, h = blockIdx.y;
+  /* the past is the host's copy, made before the step's first kernel */
   int b = row / a.n_tokens, t = row % a.n_tokens, past = a.past_dev != nullptr ? *a.past_dev : a.past;
   int len = past + a.n_tokens, qpos = past + t;
   size_t kv_stride = a.key_valid_stride > 0 ? a.key_valid_stride : len;
-  int g = h / (a.heads / a.kv_heads);
+  const int group = a.heads / a.kv_heads, g = h / group;
   const T *q = (const T *) a.q + (size_t) row * a.q_row_stride + (size_t) h * a.dk;
   const T *K = (const T *) a.k_cache + (size_t) (b * a.kv_heads + g) * a.capacity * a.dk;
   const T *V = (const T *) a.v_cache + (size_t) (b * a.kv_heads + g) * a.capacity * a.dv;
@@ -527,10 +528,61 @@ attention_kernel (MoeCudaAttention a)
   constexpr int VE = 16 / sizeof (T);
   bool vec = a.dk % VE == 0 && (uintptr_t) K % 16 == 0;
   float mx = -INFINITY, sum = 0;
+  /* with a.inv_freq, the row's own key and value (position qpos) come from
+   * the projected row, not the cache (another block writes them there) */
+  const bool rope = a.inv_freq != nullptr;
+  const T *k_row = q + (size_t) (a.heads - h + g) * a.dk;
+  const T *v_row = q + (size_t) (a.heads - h) * a.dk + (size_t) a.kv_heads * a.dk + (size_t) g * a.dv;
 
-  for (int d = threadIdx.x; d < a.dk; d += blockDim.x)
-    qs[d] = to_f (q[d]);
-  __syncthreads ();
+  /* the keys and values earlier steps cached, which the kernels just
+   * before never write, on their way to L2 while those still run */
+  pdl_release ();
+  for (int j = j0 + threadIdx.x; j < min (j1, past); j += blockDim.x)
+    {
+      for (int o = 0; o < a.dk * (int) sizeof (T); o += 128)
+        prefetch_l2 ((const char *) (K + (size_t) j * a.dk) + o);
+      for (int o = 0; o < a.dv * (int) sizeof (T); o += 128)
+        prefetch_l2 ((const char *) (V + (size_t) j * a.dv) + o);
+    }
+  pdl_wait ();
+
+  if (rope)
+    {
+      /* moe_cuda_rope_store_kv ()'s expressions, rounded as it stores them */
+      const int half = a.rope_dim / 2;
+      for (int i = threadIdx.x; i < a.dk; i += blockDim.x)
+        if (i < half)
+          {
+            float c, s;
+            rope_cos_sin<T> (a.inv_freq, i, (float) a.positions[row], a.rope_scale, &c, &s);
+            const float x1 = to_f (q[i]), x2 = to_f (q[i + half]), y1 = to_f (k_row[i]), y2 = to_f (k_row[i + half]);
+            qs[i] = rnd<T> (x1 * c - x2 * s);
+            qs[i + half] = rnd<T> (x2 * c + x1 * s);
+            k_new[i] = rnd<T> (y1 * c - y2 * s);
+            k_new[i + half] = rnd<T> (y2 * c + y1 * s);
+          }
+        else if (i >= a.rope_dim)
+          {
+            qs[i] = to_f (q[i]);
+            k_new[i] = to_f (k_row[i]);
+          }
+      __syncthreads ();
+      /* the first head of the group (and keys' first block) caches them */
+      if (h % group == 0 && blockIdx.z == 0)
+        {
+          T *kc = (T *) K + (size_t) qpos * a.dk, *vc = (T *) V + (size_t) qpos * a.dv;
+          for (int i = threadIdx.x; i < a.dk; i += blockDim.x)
+            kc[i] = from_f<T> (k_new[i]);
+          for (int i = threadIdx.x; i < a.dv; i += blockDim.x)
+            vc[i] = v_row[i];
+        }
+    }
+  else
+    {
+      for (int d = threadIdx.x; d < a.dk; d += blockDim.x)
+        qs[d] = to_f (q[d]);
+      __syncthreads ();
+    }
 
   for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x)
     {
@@ -541,7 +593,10 @@ attention_kernel (MoeCudaAttention a)
         {
           const T *kr = K + (size_t) j * a.dk;
           float acc = 0;
-          if (vec)
+          if (rope && j == qpos)
+            for (int d = 0; d < a.dk; d++)
+              acc += qs[d] * k_new[d];
+          else if (vec)
 #pragma unroll 16
             for (int d = 0; d < a.dk; d += VE)
               {
@@ -587,7 +642,7 @@ attention_kernel (MoeCudaAttention a)
   if (a.sinks != nullptr && part == nullptr)
     sum += expf (a.sinks[h] - mx);
 
-  if (a.dv % VE == 0 && a.dv / VE <= (int) blockDim.x && (uintptr_t) V % 16 == 0)
+  if (a.dv % VE == 0 && a.dv / VE <= (int) blockDim.x && ((uintptr_t) V | (rope ? (uintptr_t) v_row : 0)) % 16 == 0)
     {
       /* dv / VE threads per value row, blockDim / that many rows at once:
        * 16-byte loads, all of a thread's keys in flight (a thread per
@@ -604,7 +659,8 @@ attention_kernel (MoeCudaAttention a)
              * cached row was written), so that the loads go out together */
             float p = score[j - j0];
             p = a.eager ? rnd<T> (p / sum) : p;
-            uint4 vv = __ldg ((const uint4 *) (V + (size_t) j * a.dv + lane * VE));
+            const T *vr = rope && j == qpos ? v_row : V + (size_t) j * a.dv;
+            uint4 vv = __ldg ((const uint4 *) (vr + lane * VE));
             const T *ve = (const T *) &vv;
 #pragma unroll
             for (int e = 0; e < VE; e++)
@@ -635,7 +691,8 @@ attention_kernel (MoeCudaAttention a)
         for (int j = j0; j < j1; j++)
           {
             float p = score[j - j0];
-            acc += (a.eager ? rnd<T> (p / sum) : p) * to_f (V[(size_t) j * a.dv + d]);
+            const T *vr = rope && j == qpos ? v_row : V + (size_t) j * a.dv;
+            acc += (a.eager ? rnd<T> (p / sum) : p) * to_f (vr[d]);
           }
         if (part != nullptr)
           part[2 + d] = acc;
@@ -1356,7 +1413,7 @@ moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
   const int keys = a->split_keys > 0 ? a->split_keys : moe_cuda_attention_keys (a);
   /* the query and scores, then the value groups' sums (at most 128
    * threads × 8 elements of a 16-byte load) */
-  size_t smem = (size_t) max (a->dk + keys, 128 * 8) * sizeof (float);
+  size_t smem = (size_t) max (a->dk + keys + (a->inv_freq != NULL ? a->dk : 0), 128 * 8) * sizeof (float);
   static int max_smem = 0;   /* one GPU per process (the cuda device's), read once */
   dim3 grid (a->batch * a->n_tokens, a->heads, splits);
 

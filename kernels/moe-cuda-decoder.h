@@ -96,6 +96,15 @@ typedef struct {
   void *out;                            /* [B*T][heads][dv] */
   int split_keys;                       /* > 0 (not eager): blocks of this many keys, then their combination */
   float *partial;                       /* with @split_keys: [B*T][heads][splits][dv + 2] scratch */
+  /* With @inv_freq (a decode step: @n_tokens 1, keys = values' dims, not
+   * interleaved): @q's rows are the projected [q heads | k heads | v heads]
+   * before RoPE, and the kernel does moe_cuda_rope_store_kv ()'s work for
+   * them itself — q and the row's key rotated, the key and value written
+   * into the cache — one kernel and one wait less a layer */
+  const int64_t *positions;             /* [B] */
+  const float *inv_freq;                /* [rope_dim / 2] or NULL */
+  int rope_dim;
+  float rope_scale;
 } MoeCudaAttention;
 
 /* The keys one launch covers (a graph's: @a->max_len, whatever the step's

@@ -108,6 +108,14 @@ mma_e4m3 (float c[4], const unsigned a[4], const unsigned b[2])
 #endif
 }
 
+/* A hint: the 128-byte line at @p on its way into L2 (no register waits
+ * for it) */
+__device__ __forceinline__ void
+prefetch_l2 (const void *p)
+{
+  asm volatile ("prefetch.global.L2 [%0];\n" :: "l"(p));
+}
+
 /* ---- programmatic dependent launch (sm_90+) ----------------------------
  *
  * A decode step is a chain of short kernels, each of which would otherwise

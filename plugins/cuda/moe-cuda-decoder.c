@@ -45,6 +45,7 @@ typedef struct {
   gboolean              lt;          /* biased GEMMs on cuBLASLt (MOE_CUDA_CUBLASLT=0: never) */
   int                   prefill_attention_tokens;   /* steps of this many tokens or more: flash kernel or GEMMs */
   int                   rope_store_rows;  /* steps of this many rows or fewer: RoPE + KV write a block per (row, head) */
+  gboolean              rope_in_attention;  /* … in the attention kernel itself, for a step of one token a sequence */
   int                   attention_split;  /* decode over more keys: blocks of this many (MOE_CUDA_ATTENTION_SPLIT; 0: one) */
   gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
   gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
@@ -245,6 +246,9 @@ moe_cuda_decoder_new (MoeDevice      *device,
    * RoPE + KV-write kernel and the prefill's (the GPU test sets 0) */
   d->rope_store_rows = g_getenv ("MOE_CUDA_ROPE_STORE_ROWS") ? MAX (atoi (g_getenv ("MOE_CUDA_ROPE_STORE_ROWS")), 0)
                                                              : 16;
+  /* MOE_CUDA_ROPE_IN_ATTENTION=0: a decode step's RoPE + KV write in a
+   * kernel of its own before the attention (as for a few tokens a row) */
+  d->rope_in_attention = g_strcmp0 (g_getenv ("MOE_CUDA_ROPE_IN_ATTENTION"), "0") != 0;
   d->attention_split = g_getenv ("MOE_CUDA_ATTENTION_SPLIT") ? MAX (atoi (g_getenv ("MOE_CUDA_ATTENTION_SPLIT")), 0)
                                                              : 128;
   /* MOE_CUDA_CUBLASLT=0: the biased projections' GEMMs on cublasGemmEx
@@ -800,9 +804,12 @@ attend_gemm (Decoder *d, const Step *s, guint li, MoeTensor *q, gsize q_offset, 
 
 /* The attention of @s's query rows, each @q_row_stride elements apart
  * from @q_offset in @q, over the keys and values in the cache */
+/* With @rope (attention_gqa's decode steps), @q's rows are the projected
+ * q/k/v before RoPE, and the attention kernel rotates them and writes the
+ * cache (see MoeCudaAttention) */
 static MoeTensor *
 attend (Decoder *d, const Step *s, guint li, MoeTensor *q, gsize q_offset, int q_row_stride, int dk, int dv,
-        GError **error)
+        gboolean rope, GError **error)
 {
   const MoeTransformer *m = d->m;
   g_autoptr(MoeTensor) out = new_act (d, s->rows, (gint64) m->heads * dv, error), partial = NULL;
@@ -817,6 +824,8 @@ attend (Decoder *d, const Step *s, guint li, MoeTensor *q, gsize q_offset, int q
     .window = m->layer[li].window,
     .sinks = OPT (d->layer[li].sinks),
     .scaling = m->scaling, .eager = m->eager_attention,
+    .positions = rope ? DATA (s->positions) : NULL, .inv_freq = rope ? DATA (d->inv_freq) : NULL,
+    .rope_dim = m->rope_dim, .rope_scale = m->rope_scale,
   };
   const char *msg;
 
@@ -866,7 +875,7 @@ rope (Decoder *d, const Step *s, MoeTensor *x, gsize offset, int heads, int row_
  * all its keys; @rows: the output's rows */
 static MoeTensor *
 attend_rows (Decoder *d, const Step *s, guint li, gboolean last_rows, MoeTensor *q, int q_row_stride, int dk, int dv,
-             int *rows, GError **error)
+             gboolean rope, int *rows, GError **error)
 {
   MoeDecoderStep last_st = *s->st;
   Step last = *s;
@@ -874,12 +883,12 @@ attend_rows (Decoder *d, const Step *s, guint li, gboolean last_rows, MoeTensor 
 
   *rows = s->rows;
   if (!last_rows)
-    return attend (d, s, li, q, 0, q_row_stride, dk, dv, error);
+    return attend (d, s, li, q, 0, q_row_stride, dk, dv, rope, error);
   last_st.n_tokens = 1;
   last.st = &last_st;
   last.past = s->past + T - 1;
   last.rows = *rows = (int) s->st->batch;
-  return attend (d, &last, li, q, (gsize) (T - 1) * q_row_stride, T * q_row_stride, dk, dv, error);
+  return attend (d, &last, li, q, (gsize) (T - 1) * q_row_stride, T * q_row_stride, dk, dv, rope, error);
 }
 
 /* q/k/v, the KV-cache write and the attention of @x's rows, then o; with
@@ -892,6 +901,11 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, gboolean last_
   const DevLayer *L = &d->layer[li];
   int rows = s->rows, hd = m->head_dim, qn = m->heads * hd, kn = m->kv_heads * hd, n = qn + 2 * kn;
   g_autoptr(MoeTensor) qkv = NULL, a = NULL;
+  /* a decode step (one token a sequence, the few-query kernel): RoPE and
+   * the KV write in the attention kernel */
+  const gboolean rope_in_attention = d->rope_in_attention && s->st->n_tokens == 1 && !last_rows &&
+                                     !m->rope_interleaved && rows <= d->rope_store_rows &&
+                                     d->prefill_attention_tokens > 1;
   cudaStream_t stream = d->dev->stream;
 
   /* one projection: each row is [q | k | v] */
@@ -910,7 +924,9 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, gboolean last_
     }
   if (m->clip_qkv > 0)
     moe_cuda_clamp (d->dtype, DATA (qkv), (gsize) rows * n, m->clip_qkv, stream);
-  if (!m->rope_interleaved && rows <= d->rope_store_rows)
+  if (rope_in_attention)
+    ;
+  else if (!m->rope_interleaved && rows <= d->rope_store_rows)
     moe_cuda_rope_store_kv (d->dtype, DATA (qkv), s->st->batch, s->st->n_tokens, n, m->heads, m->kv_heads, hd,
                             DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale,
                             DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
@@ -931,7 +947,7 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, gboolean last_
                          OPT (s->past_dev), stream);
     }
   trace_mark (s->trace, stream, PART_ROPE_KV);
-  a = attend_rows (d, s, li, last_rows, qkv, n, hd, hd, &rows, error);
+  a = attend_rows (d, s, li, last_rows, qkv, n, hd, hd, rope_in_attention, &rows, error);
   trace_mark (s->trace, stream, PART_ATTEND);
   return a ? linear (d, &L->o, a, qn, rows, error) : NULL;
 }
@@ -971,7 +987,7 @@ attention_mla (Decoder *d, const Step *s, guint li, MoeTensor *x, gboolean last_
                      (char *) DATA (kv) + (gsize) nope * d->elem, m->heads * kvb, kvb, dv,
                      DATA (s->cache->k[li]), DATA (s->cache->v[li]), s->cache->capacity, s->past,
                      OPT (s->past_dev), d->dev->stream);
-  a = attend_rows (d, s, li, last_rows, q, m->heads * qk, qk, dv, &rows, error);
+  a = attend_rows (d, s, li, last_rows, q, m->heads * qk, qk, dv, FALSE, &rows, error);
   return a ? linear (d, &L->o, a, m->heads * dv, rows, error) : NULL;
 }
 
