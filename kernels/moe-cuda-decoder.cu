@@ -497,6 +497,21 @@ store_kv_kernel (int n_tokens, int kv_heads,
     }
 }
 
+/* The keys a decode attention launch covers (a graph's: @a.max_len,
+ * whatever the step's past), and those one block holds scores for (a
+ * split's): the kernel's shared memory and its launch agree through these */
+__host__ __device__ inline int
+attention_keys (const MoeCudaAttention &a)
+{
+  return a.past_dev != nullptr ? a.max_len : a.past + a.n_tokens;
+}
+
+__host__ __device__ inline int
+attention_block_keys (const MoeCudaAttention &a)
+{
+  return a.split_keys > 0 ? a.split_keys : attention_keys (a);
+}
+
 /* One block per (query row, head): the scores of every key in shared
  * memory, a thread per key (a key's row read as 16-byte loads all in
  * flight: one round of loads for a decode step's keys); then the softmax;
@@ -509,7 +524,7 @@ __global__ void
 attention_kernel (MoeCudaAttention a)
 {
   extern __shared__ float sm[];
-  const int keys = a.split_keys > 0 ? a.split_keys : (a.past_dev != nullptr ? a.max_len : a.past + a.n_tokens);
+  const int keys = attention_block_keys (a);
   float *qs = sm, *score = sm + a.dk, *k_new = score + keys;
   int row = blockIdx.x, h = blockIdx.y;
   /* the past is the host's copy, made before the step's first kernel */
@@ -1397,7 +1412,7 @@ moe_cuda_store_kv (int dtype, int batch, int n_tokens, int kv_heads,
 extern "C" int
 moe_cuda_attention_keys (const MoeCudaAttention *a)
 {
-  return a->past_dev != NULL ? a->max_len : a->past + a->n_tokens;
+  return attention_keys (*a);
 }
 
 extern "C" int
@@ -1410,7 +1425,7 @@ extern "C" const char *
 moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
 {
   const int splits = moe_cuda_attention_splits (a);
-  const int keys = a->split_keys > 0 ? a->split_keys : moe_cuda_attention_keys (a);
+  const int keys = attention_block_keys (*a);
   /* the query and scores, then the value groups' sums (at most 128
    * threads × 8 elements of a 16-byte load) */
   size_t smem = (size_t) max (a->dk + keys + (a->inv_freq != NULL ? a->dk : 0), 128 * 8) * sizeof (float);
