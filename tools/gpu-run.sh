@@ -43,7 +43,7 @@
 #                                   named by REGEX (16 launches after 12):
 #                                   where their warps wait, SASS line by
 #                                   line (tools/ncu-stalls.py); SIDE=NAME as
-#                                   profile
+#                                   profile; NCU_ARGS: more ncu options
 #   tools/gpu-run.sh profile-experts [ARGS]
 #                                   moe-bench-cuda-experts ARGS (default:
 #                                   qwen1.5-moe's layer, grouped_mm, T = 2048,
@@ -282,8 +282,10 @@ for line in sys.stdin:
     [ $# -gt 0 ] || set -- -p 0 -b 1 -s 8 -r 1
     dir=$(side_of "${SIDE:-this}") || exit 1
     echo "the cuda plugin of ${SIDE:-this} ($(commit_of "${SIDE:-this}"))"
+    # shellcheck disable=SC2086 # NCU_ARGS: more ncu options (a short kernel wants more samples:
+    # --warp-sampling-interval 0, the finest)
     MOE_PLUGIN_PATH=$dir/plugins "$ncu" --clock-control none -k "regex:$regex" --launch-skip 12 --launch-count 16 \
-      --section WarpStateStats --section SourceCounters -f -o /tmp/stalls \
+      --section WarpStateStats --section SourceCounters ${NCU_ARGS:-} -f -o /tmp/stalls \
       "$dir/bin/moe-bench-model" -m "${PROFILE_MODEL:-/tmp/qwen1.5-moe-a2.7b-random}" --device cuda -d bfloat16 "$@" \
       > /tmp/stalls.log 2>&1 || { tail -20 /tmp/stalls.log; exit 1; }
     "$ncu" -i /tmp/stalls.ncu-rep --page source --csv --print-source sass > /tmp/stalls.csv || exit 1
