@@ -512,6 +512,15 @@ attention_block_keys (const MoeCudaAttention &a)
   return a.split_keys > 0 ? a.split_keys : attention_keys (a);
 }
 
+/* attention_kernel's shared memory, in floats: the query, the block's
+ * scores and, with RoPE, the row's own key; later the value groups' sums
+ * (at most 128 threads × 8 elements of a 16-byte load) over all of it */
+inline int
+attention_smem_floats (const MoeCudaAttention &a)
+{
+  return max (a.dk + attention_block_keys (a) + (a.inv_freq != nullptr ? a.dk : 0), 128 * 8);
+}
+
 /* One block per (query row, head): the scores of every key in shared
  * memory, a thread per key (a key's row read as 16-byte loads all in
  * flight: one round of loads for a decode step's keys); then the softmax;
@@ -525,7 +534,7 @@ attention_kernel (MoeCudaAttention a)
 {
   extern __shared__ float sm[];
   const int keys = attention_block_keys (a);
-  float *qs = sm, *score = sm + a.dk, *k_new = score + keys;
+  float *qs = sm, *score = sm + a.dk, *k_new = score + keys;   /* attention_smem_floats () */
   int row = blockIdx.x, h = blockIdx.y;
   /* the past is the host's copy, made before the step's first kernel */
   int b = row / a.n_tokens, t = row % a.n_tokens, past = a.past_dev != nullptr ? *a.past_dev : a.past;
@@ -546,6 +555,8 @@ attention_kernel (MoeCudaAttention a)
   /* with a.inv_freq, the row's own key and value (position qpos) come from
    * the projected row, not the cache (another block writes them there) */
   const bool rope = a.inv_freq != nullptr;
+  /* (from q, head h of the row [q heads | k heads | v heads]: the row's
+   * k head g and v head g) */
   const T *k_row = q + (size_t) (a.heads - h + g) * a.dk;
   const T *v_row = q + (size_t) (a.heads - h) * a.dk + (size_t) a.kv_heads * a.dk + (size_t) g * a.dv;
 
@@ -1425,10 +1436,7 @@ extern "C" const char *
 moe_cuda_attention (const MoeCudaAttention *a, cudaStream_t s)
 {
   const int splits = moe_cuda_attention_splits (a);
-  const int keys = attention_block_keys (*a);
-  /* the query and scores, then the value groups' sums (at most 128
-   * threads × 8 elements of a 16-byte load) */
-  size_t smem = (size_t) max (a->dk + keys + (a->inv_freq != NULL ? a->dk : 0), 128 * 8) * sizeof (float);
+  size_t smem = (size_t) attention_smem_floats (*a) * sizeof (float);
   static int max_smem = 0;   /* one GPU per process (the cuda device's), read once */
   dim3 grid (a->batch * a->n_tokens, a->heads, splits);
 

@@ -925,7 +925,9 @@ attention_gqa (Decoder *d, const Step *s, guint li, MoeTensor *x, gboolean last_
   if (m->clip_qkv > 0)
     moe_cuda_clamp (d->dtype, DATA (qkv), (gsize) rows * n, m->clip_qkv, stream);
   if (rope_in_attention)
-    ;
+    {
+      /* attend () below rotates and caches them */
+    }
   else if (!m->rope_interleaved && rows <= d->rope_store_rows)
     moe_cuda_rope_store_kv (d->dtype, DATA (qkv), s->st->batch, s->st->n_tokens, n, m->heads, m->kv_heads, hd,
                             DATA (s->positions), DATA (d->inv_freq), m->rope_dim, m->rope_scale,
