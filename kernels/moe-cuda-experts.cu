@@ -1378,6 +1378,20 @@ combine_slots (int tokens, int top_k)
   return top_k <= 1 ? 1 : top_k <= 2 ? 2 : top_k <= 4 ? 4 : 8;
 }
 
+/* rowwise_down_combine for combine_slots ()'s @slots, or none */
+template <typename T>
+static void (*down_combine_kernel (int slots)) (MoeCudaExperts, const T *)
+{
+  switch (slots)
+    {
+    case 1: return rowwise_down_combine<T, 1>;
+    case 2: return rowwise_down_combine<T, 2>;
+    case 4: return rowwise_down_combine<T, 4>;
+    case 8: return rowwise_down_combine<T, 8>;
+    default: return nullptr;
+    }
+}
+
 template <typename T, int WF>
 const char *
 run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
@@ -1403,13 +1417,10 @@ run_per_row_as (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
         else
           launch_overlapped (rowwise_mma<T, MODE_GATE_UP, 1>, mma_gu, 256, 0, s, p, (const T *) p.x, (T *) w.h, (T *) w.y);
         /* up to 8 slots a token: down and the combine as one kernel */
-        switch (combine_slots (p.tokens, p.top_k))
+        if (auto down_combine = down_combine_kernel<T> (combine_slots (p.tokens, p.top_k)))
           {
-          case 1: launch_overlapped (rowwise_down_combine<T, 1>, mma_dc, 256, 0, s, p, (const T *) w.h); return nullptr;
-          case 2: launch_overlapped (rowwise_down_combine<T, 2>, mma_dc, 256, 0, s, p, (const T *) w.h); return nullptr;
-          case 4: launch_overlapped (rowwise_down_combine<T, 4>, mma_dc, 256, 0, s, p, (const T *) w.h); return nullptr;
-          case 8: launch_overlapped (rowwise_down_combine<T, 8>, mma_dc, 256, 0, s, p, (const T *) w.h); return nullptr;
-          default: break;
+            launch_overlapped (down_combine, mma_dc, 256, 0, s, p, (const T *) w.h);
+            return nullptr;
           }
         if (down32)
           launch_overlapped (rowwise_mma<T, MODE_DOWN, 2>, mma_dn, 256, 0, s, p, (const T *) w.h, (T *) w.h, (T *) w.y);
