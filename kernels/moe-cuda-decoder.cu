@@ -277,6 +277,17 @@ rope_cos_sin (const float *inv_freq, int i, float pos, float scale, float *c, fl
   *s = rnd<T> (sinf (angle) * scale);
 }
 
+/* The pair (x1, x2) rotated by (c, s), with its roundings spelled out —
+ * the compiler's own choice of which product to fuse varies with the code
+ * around it — so that every RoPE kernel gives the same values
+ * (test-cuda-rope checks them against each other) */
+__device__ __forceinline__ void
+rope_rotate (float x1, float x2, float c, float s, float *y1, float *y2)
+{
+  *y1 = __fsub_rn (__fmul_rn (x1, c), __fmul_rn (x2, s));
+  *y2 = __fmaf_rn (x1, s, __fmul_rn (x2, c));
+}
+
 /* A block per row, a thread per rotated pair: its cos and sin once (the
  * accurate ones are the costly part), applied to every head with the
  * heads' loads in flight together. */
@@ -310,8 +321,10 @@ rope_kernel (T *x, int heads, int row_stride, int head_stride, const int64_t *po
           for (int u = 0; u < 8; u++)
             if (h0 + u < heads)
               {
-                row[(size_t) (h0 + u) * head_stride + i] = from_f<T> (x1[u] * c - x2[u] * s);
-                row[(size_t) (h0 + u) * head_stride + i + half] = from_f<T> (x2[u] * c + x1[u] * s);
+                float y1, y2;
+                rope_rotate (x1[u], x2[u], c, s, &y1, &y2);
+                row[(size_t) (h0 + u) * head_stride + i] = from_f<T> (y1);
+                row[(size_t) (h0 + u) * head_stride + i + half] = from_f<T> (y2);
               }
         }
     }
@@ -347,8 +360,9 @@ rope_store_kv_kernel (T *qkv, int row_stride, int heads, int kv_heads, int head_
       {
         float c, s;
         rope_cos_sin<T> (inv_freq, i, (float) positions[row], scale, &c, &s);
-        const float x1 = to_f (x[i]), x2 = to_f (x[i + half]);
-        const T y1 = from_f<T> (x1 * c - x2 * s), y2 = from_f<T> (x2 * c + x1 * s);
+        float r1, r2;
+        rope_rotate (to_f (x[i]), to_f (x[i + half]), c, s, &r1, &r2);
+        const T y1 = from_f<T> (r1), y2 = from_f<T> (r2);
         x[i] = y1;
         x[i + half] = y2;
         if (is_k)
@@ -418,11 +432,10 @@ rope_store_kv_rows_kernel (T *__restrict__ qkv, int row_stride, int heads, int k
 #pragma unroll
       for (int u = 0; u < V; u++)
         {
-          /* rope_kernel's expressions, for its roundings and ptxas's
-           * fused multiply-adds (test-cuda-rope checks they match) */
-          const float x1 = to_f (a[u]), x2 = to_f (z[u]), c = cs[i + u], s = sn[i + u];
-          y1[u] = from_f<T> (x1 * c - x2 * s);
-          y2[u] = from_f<T> (x2 * c + x1 * s);
+          float r1, r2;
+          rope_rotate (to_f (a[u]), to_f (z[u]), cs[i + u], sn[i + u], &r1, &r2);
+          y1[u] = from_f<T> (r1);
+          y2[u] = from_f<T> (r2);
         }
       T *dst = h < heads ? src : k_cache + (slot0 + (size_t) (h - heads) * capacity) * head_dim + i;
       store_vec<T, V> (dst, y1);
@@ -450,9 +463,7 @@ rope_interleaved_kernel (T *x, int heads, int row_stride, int head_stride, const
         {
           float c, s;
           rope_cos_sin<T> (inv_freq, i, pos, scale, &c, &s);
-          float x1 = to_f (v[2 * i]), x2 = to_f (v[2 * i + 1]);
-          t[i] = x1 * c - x2 * s;
-          t[i + half] = x2 * c + x1 * s;
+          rope_rotate (to_f (v[2 * i]), to_f (v[2 * i + 1]), c, s, &t[i], &t[i + half]);
         }
       for (int i = 0; i < rope_dim; i++)
         v[i] = from_f<T> (t[i]);
@@ -581,11 +592,13 @@ attention_kernel (MoeCudaAttention a)
           {
             float c, s;
             rope_cos_sin<T> (a.inv_freq, i, (float) a.positions[row], a.rope_scale, &c, &s);
-            const float x1 = to_f (q[i]), x2 = to_f (q[i + half]), y1 = to_f (k_row[i]), y2 = to_f (k_row[i + half]);
-            qs[i] = rnd<T> (x1 * c - x2 * s);
-            qs[i + half] = rnd<T> (x2 * c + x1 * s);
-            k_new[i] = rnd<T> (y1 * c - y2 * s);
-            k_new[i + half] = rnd<T> (y2 * c + y1 * s);
+            float q1, q2, k1, k2;
+            rope_rotate (to_f (q[i]), to_f (q[i + half]), c, s, &q1, &q2);
+            rope_rotate (to_f (k_row[i]), to_f (k_row[i + half]), c, s, &k1, &k2);
+            qs[i] = rnd<T> (q1);
+            qs[i + half] = rnd<T> (q2);
+            k_new[i] = rnd<T> (k1);
+            k_new[i + half] = rnd<T> (k2);
           }
         else if (i >= a.rope_dim)
           {
