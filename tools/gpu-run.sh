@@ -58,6 +58,7 @@
 #                                   each side (SIDES, as compare), every
 #                                   kernel of the layer timed alone: a table
 #                                   of GPU time per kernel, as profile
+#                                   (NCU_ARGS: more ncu options)
 #   tools/gpu-run.sh compare [ARGS]  moe-bench-model ARGS (default: the
 #                                   model-bench checkpoint, bf16, -s 16 -r 2
 #                                   -p 2048 -b 1,8) with the baseline's cuda
@@ -154,6 +155,22 @@ find_ncu () {
   command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1 | grep . ||
     { echo "no ncu on this machine" >&2; return 1; }
 }
+
+# kernel_times PLUGINS PROGRAM [ARGS]: every kernel PROGRAM launches timed
+# alone by Nsight Compute (the clocks left alone; NCU_ARGS: more options),
+# as a table of GPU time per kernel (PROFILE_TAIL=N: also the last N in
+# launch order); PLUGINS: the folder of the cuda plugin to run
+kernel_times () {
+  plugins=$1
+  shift
+  # shellcheck disable=SC2086 # NCU_ARGS: more ncu options (--launch-skip N …)
+  MOE_PLUGIN_PATH=$plugins "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum \
+    --print-units base ${NCU_ARGS:-} "$@" > /tmp/ncu.csv 2> /tmp/ncu.err || { tail -20 /tmp/ncu.err; return 1; }
+  python3 tools/ncu-summary.py /tmp/ncu.csv "${PROFILE_TAIL:-0}"
+}
+
+# the checkpoint profile and stalls run moe-bench-model on
+profile_model=${PROFILE_MODEL:-/tmp/qwen1.5-moe-a2.7b-random}
 
 what=${1:-test}
 [ $# -gt 0 ] && shift
@@ -253,10 +270,7 @@ for line in sys.stdin:
       dir=$(side_of "$side") || exit 1
       echo "== $side ($(commit_of "$side"))"
       if [ "$what" = profile-layer ]; then
-        MOE_PLUGIN_PATH=$dir/plugins "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum \
-          --print-units base "$dir/bin/moe-bench-cuda-experts" "$@" > /tmp/ncu.csv 2> /tmp/ncu.err ||
-          { tail -20 /tmp/ncu.err; exit 1; }
-        python3 tools/ncu-summary.py /tmp/ncu.csv "${PROFILE_TAIL:-0}"
+        kernel_times "$dir/plugins" "$dir/bin/moe-bench-cuda-experts" "$@" || exit 1
         continue
       fi
       # shellcheck disable=SC2086 # NCU_ARGS: ncu options, word-split
@@ -268,12 +282,7 @@ for line in sys.stdin:
   profile)
     ncu=$(find_ncu) || exit 1
     dir=$(side_of "${SIDE:-this}") || exit 1
-    # shellcheck disable=SC2086 # NCU_ARGS: more ncu options (--launch-skip N …)
-    MOE_PLUGIN_PATH=$dir/plugins "$ncu" --clock-control none --csv --page raw --metrics gpu__time_duration.sum \
-      --print-units base ${NCU_ARGS:-} \
-      "$dir/bin/moe-bench-model" -m "${PROFILE_MODEL:-/tmp/qwen1.5-moe-a2.7b-random}" --device cuda -d bfloat16 "$@" \
-      > /tmp/ncu.csv 2> /tmp/ncu.err || { tail -20 /tmp/ncu.err; exit 1; }
-    python3 tools/ncu-summary.py /tmp/ncu.csv "${PROFILE_TAIL:-0}"
+    kernel_times "$dir/plugins" "$dir/bin/moe-bench-model" -m "$profile_model" --device cuda -d bfloat16 "$@" || exit 1
     ;;
   stalls)
     ncu=$(find_ncu) || exit 1
@@ -286,8 +295,7 @@ for line in sys.stdin:
     # --warp-sampling-interval 0, the finest)
     MOE_PLUGIN_PATH=$dir/plugins "$ncu" --clock-control none -k "regex:$regex" --launch-skip 12 --launch-count 16 \
       --section WarpStateStats --section SourceCounters ${NCU_ARGS:-} -f -o /tmp/stalls \
-      "$dir/bin/moe-bench-model" -m "${PROFILE_MODEL:-/tmp/qwen1.5-moe-a2.7b-random}" --device cuda -d bfloat16 "$@" \
-      > /tmp/stalls.log 2>&1 || { tail -20 /tmp/stalls.log; exit 1; }
+      "$dir/bin/moe-bench-model" -m "$profile_model" --device cuda -d bfloat16 "$@" > /tmp/stalls.log 2>&1 || { tail -20 /tmp/stalls.log; exit 1; }
     "$ncu" -i /tmp/stalls.ncu-rep --page source --csv --print-source sass > /tmp/stalls.csv || exit 1
     python3 tools/ncu-stalls.py /tmp/stalls.csv
     ;;
