@@ -4,16 +4,23 @@
 # decode B=… prompt=…), a column per side (baseline, candidates, this), each
 # cell its tok/s in every round, and each side's mean against the
 # reference's: the baseline where there is one, else this bundle.
+# --extra-us: decode rows only, each side's extra µs a step over the
+# reference (ms/step), for tools/gpu-run.sh repeat-costs.
 #
 # SPDX-License-Identifier: LGPL-2.1-or-later
 import re
 import sys
 from collections import OrderedDict
 
+args = sys.argv[1:]
+extra_us = '--extra-us' in args
+if extra_us:
+    args.remove('--extra-us')
 side = None
 runs = OrderedDict()      # measurement -> side -> [tok/s, ...]
+steps = OrderedDict()     # decode measurement -> side -> [ms/step, ...]
 sides = []
-for line in (open(sys.argv[1]) if len(sys.argv) > 1 else sys.stdin):
+for line in (open(args[0]) if args else sys.stdin):
     m = re.match(r'^== (\S+) \((.*)\), round', line)
     if m:
         side = f'{m.group(1)} ({m.group(2)})'
@@ -24,11 +31,32 @@ for line in (open(sys.argv[1]) if len(sys.argv) > 1 else sys.stdin):
     if m and side is not None:
         key = f'{m.group(1)} {m.group(2)}'.strip()
         runs.setdefault(key, OrderedDict()).setdefault(side, []).append(float(m.group(3)))
+        ms = re.search(r'ms/step=([0-9.]+)', line)
+        if ms:
+            steps.setdefault(key, OrderedDict()).setdefault(side, []).append(float(ms.group(1)))
 
 if not runs:
     sys.exit('no measurements in the input')
 ref = next((s for s in sides if s.startswith('baseline ')),
            next((s for s in sides if s.startswith('this ')), sides[0]))
+if extra_us:
+    if not steps:
+        sys.exit('no decode steps in the input')
+    print('| µs a step (extra over ' + ref + ') | ' + ' | '.join(sides) + ' |')
+    print('|---|' + '---:|' * len(sides))
+    for key, by_side in steps.items():
+        base = by_side.get(ref)
+        cells = []
+        for s in sides:
+            v = by_side.get(s)
+            if not v or not base:
+                cells.append('—')
+            elif s == ref:
+                cells.append(' / '.join(f'{1000 * x:,.1f}' for x in v))
+            else:
+                cells.append(f'{1000 * (sum(v) / len(v) - sum(base) / len(base)):+,.1f}')
+        print(f'| {key} | ' + ' | '.join(cells) + ' |')
+    sys.exit(0)
 print('| tok/s | ' + ' | '.join(s + (' = ref' if s == ref else '') for s in sides) + ' |')
 print('|---|' + '---:|' * len(sides))
 for key, by_side in runs.items():

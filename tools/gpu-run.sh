@@ -44,6 +44,18 @@
 #                                   where their warps wait, SASS line by
 #                                   line (tools/ncu-stalls.py); SIDE=NAME as
 #                                   profile; NCU_ARGS: more ncu options
+#   tools/gpu-run.sh repeat-costs [ARGS]
+#                                   moe-bench-model ARGS (default: decode at
+#                                   batch 1 and 8, -p 0 -b 1,8 -s 64 -r 3, on
+#                                   profile's checkpoint) with each kernel
+#                                   named in REPEAT (text of the mangled
+#                                   names) launched twice in a row
+#                                   (MOE_CUDA_REPEAT), and with none, two
+#                                   rounds: a table of the extra µs a step
+#                                   each repeat costs — what the kernel
+#                                   costs where it stands in the graph (a
+#                                   layer's kernel: that over the layers);
+#                                   SIDE=NAME as profile
 #   tools/gpu-run.sh profile-experts [ARGS]
 #                                   moe-bench-cuda-experts ARGS (default:
 #                                   qwen1.5-moe's layer, grouped_mm, T = 2048,
@@ -284,6 +296,25 @@ for line in sys.stdin:
     dir=$(side_of "${SIDE:-this}") || exit 1
     kernel_times "$dir/plugins" "$dir/bin/moe-bench-model" -m "$profile_model" --device cuda -d bfloat16 "$@" || exit 1
     ;;
+  repeat-costs)
+    [ $# -gt 0 ] || set -- -p 0 -b 1,8 -s 64 -r 3
+    plugins=$(plugins_of "${SIDE:-this}") || exit 1
+    # the decoder's kernels by kind: norms, the plain / gated / adding
+    # GEMVs (q/k/v, o, the shared gate and the head; the shared gate/up;
+    # the shared down), attention, routing, the routed gate/up, down +
+    # combine, argmax
+    g=gemv_mma_kernelI13__nv_bfloat16Li1E
+    names=${REPEAT:-rms_norm_kernel ${g}Li0E ${g}Li1E ${g}Li2E attention_kernel route_kernel rowwise_mma \
+rowwise_down_combine argmax_kernel}
+    for round in 1 2; do
+      for name in none $names; do
+        if [ "$name" = none ]; then echo "== none (nothing repeated), round $round"; else echo "== $name (repeated), round $round"; fi
+        MOE_CUDA_REPEAT=$([ "$name" = none ] || echo "$name") MOE_PLUGIN_PATH=$plugins "$root/bin/moe-bench-model" \
+          -m "$profile_model" --device cuda -d bfloat16 "$@" | grep -E '^decode' || exit 1
+      done
+    done | tee /tmp/repeat.log
+    python3 tools/compare-summary.py --extra-us /tmp/repeat.log
+    ;;
   stalls)
     ncu=$(find_ncu) || exit 1
     regex=${1:?usage: $0 stalls REGEX [ARGS]}
@@ -300,5 +331,5 @@ for line in sys.stdin:
     python3 tools/ncu-stalls.py /tmp/stalls.csv
     ;;
   *)
-    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | attention-compare [ARGS] | model-bench [ARGS] | profile [ARGS] | stalls REGEX [ARGS] | profile-experts [ARGS] | profile-layer [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
+    echo "usage: $0 test | bench [ARGS] | attention-bench [ARGS] | attention-compare [ARGS] | model-bench [ARGS] | profile [ARGS] | stalls REGEX [ARGS] | repeat-costs [ARGS] | profile-experts [ARGS] | profile-layer [ARGS] | compare [ARGS] | compare-experts [ARGS] | sanitize TOOL [-p TESTPATH ...]" >&2; exit 2 ;;
 esac
