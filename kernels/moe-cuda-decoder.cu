@@ -1294,8 +1294,10 @@ argmax_step (float &v, int &i, int o)
 }
 
 /* Each row's first index of its largest value (_moe_greedy_token's rule):
- * a block per row, 16-byte loads eight in flight, then the block's
- * (value, index) pairs reduced. */
+ * a block per row, each thread's next eight 16-byte loads issued before
+ * it looks at any (with the bound checked inside one loop pass, the
+ * compiler kept them one at a time: a round trip per 16 KB a block), then
+ * the block's (value, index) pairs reduced. */
 __global__ void __launch_bounds__ (1024)
 argmax_kernel (const float *x, int n, int64_t *out)
 {
@@ -1311,12 +1313,26 @@ argmax_kernel (const float *x, int n, int64_t *out)
   };
 
   if (n % 4 == 0 && (uintptr_t) row % 16 == 0)
-#pragma unroll 8
-    for (int j = threadIdx.x * 4; j < n; j += blockDim.x * 4)
-      {
-        float4 q = __ldg ((const float4 *) (row + j));
-        see (q.x, j), see (q.y, j + 1), see (q.z, j + 2), see (q.w, j + 3);
-      }
+    {
+      constexpr int U = 8;
+      const float4 *row4 = (const float4 *) row;
+      const int n4 = n / 4;
+      for (int j0 = threadIdx.x; j0 < n4; j0 += U * blockDim.x)
+        {
+          float4 q[U];
+#pragma unroll
+          for (int u = 0; u < U; u++)
+            if (j0 + u * (int) blockDim.x < n4)
+              q[u] = __ldg (row4 + j0 + u * blockDim.x);
+#pragma unroll
+          for (int u = 0; u < U; u++)
+            {
+              const int j = j0 + u * blockDim.x;
+              if (j < n4)
+                see (q[u].x, 4 * j), see (q[u].y, 4 * j + 1), see (q[u].z, 4 * j + 2), see (q[u].w, 4 * j + 3);
+            }
+        }
+    }
   else
     for (int j = threadIdx.x; j < n; j += blockDim.x)
       see (row[j], j);
