@@ -39,36 +39,37 @@ if not runs:
     sys.exit('no measurements in the input')
 ref = next((s for s in sides if s.startswith('baseline ')),
            next((s for s in sides if s.startswith('this ')), sides[0]))
+
+
+def mean(v):
+    return sum(v) / len(v)
+
+
+def table(title, data, cell):
+    """A row per measurement of @data, a column per side: cell (values,
+    the reference's values, whether this is the reference)"""
+    print(f'| {title} | ' + ' | '.join(s + (' = ref' if s == ref else '') for s in sides) + ' |')
+    print('|---|' + '---:|' * len(sides))
+    for key, by_side in data.items():
+        base = by_side.get(ref)
+        print(f'| {key} | ' + ' | '.join(cell(by_side[s], base, s == ref) if by_side.get(s) else '—'
+                                         for s in sides) + ' |')
+
+
+def tok_s_cell(v, base, is_ref):
+    text = ' / '.join(f'{x:,.1f}' for x in v)
+    return text if is_ref or not base else text + f' ({mean(v) / mean(base) - 1:+.1%})'
+
+
+def extra_us_cell(v, base, is_ref):
+    if is_ref:
+        return ' / '.join(f'{1000 * x:,.1f}' for x in v)
+    return f'{1000 * (mean(v) - mean(base)):+,.1f}' if base else '—'
+
+
 if extra_us:
     if not steps:
         sys.exit('no decode steps in the input')
-    print('| µs a step (extra over ' + ref + ') | ' + ' | '.join(sides) + ' |')
-    print('|---|' + '---:|' * len(sides))
-    for key, by_side in steps.items():
-        base = by_side.get(ref)
-        cells = []
-        for s in sides:
-            v = by_side.get(s)
-            if not v or not base:
-                cells.append('—')
-            elif s == ref:
-                cells.append(' / '.join(f'{1000 * x:,.1f}' for x in v))
-            else:
-                cells.append(f'{1000 * (sum(v) / len(v) - sum(base) / len(base)):+,.1f}')
-        print(f'| {key} | ' + ' | '.join(cells) + ' |')
-    sys.exit(0)
-print('| tok/s | ' + ' | '.join(s + (' = ref' if s == ref else '') for s in sides) + ' |')
-print('|---|' + '---:|' * len(sides))
-for key, by_side in runs.items():
-    base = by_side.get(ref)
-    cells = []
-    for s in sides:
-        v = by_side.get(s)
-        if not v:
-            cells.append('—')
-            continue
-        cell = ' / '.join(f'{x:,.1f}' for x in v)
-        if base and s != ref:
-            cell += f' ({(sum(v) / len(v)) / (sum(base) / len(base)) - 1:+.1%})'
-        cells.append(cell)
-    print(f'| {key} | ' + ' | '.join(cells) + ' |')
+    table('µs a step (extra over the reference)', steps, extra_us_cell)
+else:
+    table('tok/s', runs, tok_s_cell)
