@@ -1098,15 +1098,17 @@ token_call_free (gpointer p)
   g_free (c);
 }
 
-/* do_sample's token (greedy decoding is _moe_greedy_token) */
-static guint
-sample (const float *logits, gint64 V, MoeGenerationConfig *config, GRand *rng)
+/* do_sample's tokens for the @B rows not @finished (greedy decoding is
+ * _moe_greedy_token) */
+static void
+sample (const float *logits, guint B, gint64 V, const gboolean *finished, MoeGenerationConfig *config, GRand *rng,
+        gint64 *tokens)
 {
   double temperature, top_p;
   guint top_k;
 
   g_object_get (config, "temperature", &temperature, "top-k", &top_k, "top-p", &top_p, NULL);
-  return _moe_sample_token (logits, V, temperature, top_k, top_p, rng);
+  _moe_sample_tokens (logits, B, V, finished, temperature, top_k, top_p, rng, tokens);
 }
 
 static MoeTensor *
@@ -1128,6 +1130,7 @@ generate_locked (MoeModel            *self,
   g_autofree gint64 *next_pos = g_new (gint64, b->B);
   g_autofree float *logits = g_new (float, (gsize) b->B * V);
   g_autofree gint64 *greedy = NULL;
+  g_autofree gint64 *sampled = NULL;
   g_autofree gboolean *finished = g_new0 (gboolean, b->B);
   g_autoptr(GArray) out = g_array_new (FALSE, FALSE, sizeof (gint64));   /* [steps][B] */
   g_autofree guint8 *valid = NULL;
@@ -1143,6 +1146,8 @@ generate_locked (MoeModel            *self,
    * back B ids, not B·V floats); sampling reads the logits here */
   if (!do_sample)
     greedy = g_new (gint64, b->B);
+  else
+    sampled = g_new (gint64, b->B);
   eos = moe_generation_config_get_eos_token_ids (config, &n_eos);
   if (pad < 0)
     pad = n_eos > 0 ? eos[0] : 0;
@@ -1242,9 +1247,11 @@ generate_locked (MoeModel            *self,
           break;
         }
 
+      if (sampled != NULL)
+        sample (logits, b->B, V, finished, config, rng, sampled);
       for (guint i = 0; i < b->B; i++)
         {
-          gint64 tok = finished[i] ? pad : greedy ? greedy[i] : sample (logits + (gsize) i * V, V, config, rng);
+          gint64 tok = finished[i] ? pad : greedy ? greedy[i] : sampled[i];
           g_array_append_val (out, tok);
           for (guint e = 0; e < n_eos && !finished[i]; e++)
             finished[i] = tok == eos[e];

@@ -22,4 +22,18 @@ guint _moe_sample_token (const float *logits,
                          double       top_p,
                          GRand       *rng);
 
+/* The tokens _moe_sample_token () gives, called for each of @B rows of @V
+ * logits in turn — row i's into @tokens[i], rows with @skip[i] set (@skip
+ * may be NULL) left alone, one draw from @rng a sampled row in row order —
+ * with the rows shared among threads */
+void _moe_sample_tokens (const float    *logits,
+                         guint           B,
+                         gint64          V,
+                         const gboolean *skip,
+                         double          temperature,
+                         guint           top_k,
+                         double          top_p,
+                         GRand          *rng,
+                         gint64         *tokens);
+
 G_END_DECLS

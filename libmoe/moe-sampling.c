@@ -75,13 +75,15 @@ first_in_order (const double *p, guint V, guint m, guint *top)
   g_qsort_with_data (top, m, sizeof (guint), compare_rank, (gpointer) p);
 }
 
-guint
-_moe_sample_token (const float *logits,
-                   gint64       V,
-                   double       temperature,
-                   guint        top_k,
-                   double       top_p,
-                   GRand       *rng)
+/* _moe_sample_token () with its one draw @u (uniform on [0, 1)) taken
+ * before: the same token, as nothing else draws */
+static guint
+sample_with_draw (const float *logits,
+                  gint64       V,
+                  double       temperature,
+                  guint        top_k,
+                  double       top_p,
+                  double       u)
 {
   g_autofree guint *order = NULL;
   g_autofree double *p = g_new (double, V);
@@ -100,7 +102,7 @@ _moe_sample_token (const float *logits,
       /* p becomes the unnormalized probabilities: nothing ranks them here */
       for (gint64 v = 0; v < V; v++)
         sum += (p[v] = exp (p[v] - max));
-      r = g_rand_double (rng) * sum;
+      r = u * sum;
       for (gint64 v = 0; v < V; v++)
         {
           acc += p[v];
@@ -158,7 +160,7 @@ _moe_sample_token (const float *logits,
       for (guint i = 0; i < n; i++)
         sum += exp (p[order[i]] - max);
     }
-  r = g_rand_double (rng) * sum;
+  r = u * sum;
   acc = 0;
   for (guint i = 0; i < n; i++)
     {
@@ -167,4 +169,75 @@ _moe_sample_token (const float *logits,
         return order[i];
     }
   return order[n - 1];
+}
+
+guint
+_moe_sample_token (const float *logits,
+                   gint64       V,
+                   double       temperature,
+                   guint        top_k,
+                   double       top_p,
+                   GRand       *rng)
+{
+  return sample_with_draw (logits, V, temperature, top_k, top_p, g_rand_double (rng));
+}
+
+typedef struct {
+  const float *logits;
+  gint64 V;
+  double temperature, top_p;
+  guint top_k;
+  guint n;                  /* rows to sample */
+  const guint *rows;        /* their indexes */
+  const double *draws;      /* their draws */
+  gint64 *tokens;
+  gint next;                /* the next of them to take (atomic) */
+} Rows;
+
+static gpointer
+sample_rows (gpointer data)
+{
+  Rows *r = data;
+
+  for (guint j; (j = (guint) g_atomic_int_add (&r->next, 1)) < r->n;)
+    r->tokens[r->rows[j]] = sample_with_draw (r->logits + (gsize) r->rows[j] * r->V, r->V, r->temperature,
+                                              r->top_k, r->top_p, r->draws[j]);
+  return NULL;
+}
+
+/* (A row of Qwen's 151,936 logits takes ~0.5 ms with top-k and ~1.4 ms
+ * with no filter on the development machine's CPU, one after another a
+ * batch-8 step's 4-11 ms: the larger part of a GPU's 5.5 ms step.) */
+void
+_moe_sample_tokens (const float    *logits,
+                    guint           B,
+                    gint64          V,
+                    const gboolean *skip,
+                    double          temperature,
+                    guint           top_k,
+                    double          top_p,
+                    GRand          *rng,
+                    gint64         *tokens)
+{
+  g_autofree guint *rows = g_new (guint, B);
+  g_autofree double *draws = g_new (double, B);
+  GThread *threads[16] = { NULL, };
+  Rows r = { logits, V, temperature, top_p, top_k, 0, rows, draws, tokens, 0 };
+  guint extra;
+
+  for (guint i = 0; i < B; i++)
+    if (skip == NULL || !skip[i])
+      {
+        rows[r.n] = i;
+        draws[r.n++] = g_rand_double (rng);
+      }
+  /* this thread and up to one more a row (a thread that cannot start
+   * leaves its rows to the others) */
+  extra = MIN (r.n, MIN ((guint) g_get_num_processors (), G_N_ELEMENTS (threads))) - (r.n > 0);
+  for (guint t = 0; t < extra; t++)
+    threads[t] = g_thread_try_new ("moe-sample", sample_rows, &r, NULL);
+  sample_rows (&r);
+  for (guint t = 0; t < extra; t++)
+    if (threads[t] != NULL)
+      g_thread_join (threads[t]);
 }

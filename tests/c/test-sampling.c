@@ -7,6 +7,7 @@
  * SPDX-License-Identifier: LGPL-2.1-or-later
  */
 #include <math.h>
+#include <string.h>
 #include <glib.h>
 
 #include "moe-sampling-private.h"
@@ -164,11 +165,51 @@ test_distribution (void)
   g_assert_cmpfloat (fabs (second / (double) n - 0.75), <, 0.01);
 }
 
+/* Rows at once (on threads): the tokens of one call a row, in row order,
+ * the skipped rows left as they were and taking no draw */
+static void
+test_rows (void)
+{
+  static const guint sizes[] = { 7, 151936 };
+  g_autoptr(GRand) rand = g_rand_new_with_seed (77);
+
+  for (guint s = 0; s < G_N_ELEMENTS (sizes); s++)
+    for (guint i = 0; i < G_N_ELEMENTS (filters); i++)
+      {
+        const guint B = 9, V = sizes[s];
+        const gboolean skip[9] = { FALSE, TRUE, FALSE, FALSE, FALSE, TRUE, FALSE, FALSE, FALSE };
+        const Filters *f = &filters[i];
+        g_autofree float *x = g_new (float, (gsize) B * V);
+        gint64 got[9];
+        g_autoptr(GRand) a = g_rand_new_with_seed (100 + i);
+        g_autoptr(GRand) b = g_rand_new_with_seed (100 + i);
+
+        for (guint r = 0; r < B; r++)
+          {
+            g_autofree float *row = random_logits (rand, V, r % 2 ? 0.5 : 3.0, r % 3 == 2 ? 4 : 0);
+            memcpy (x + (gsize) r * V, row, V * sizeof (float));
+            got[r] = -7;
+          }
+        _moe_sample_tokens (x, B, V, skip, f->temperature, f->top_k, f->top_p, a, got);
+        for (guint r = 0; r < B; r++)
+          {
+            gint64 want = skip[r] ? -7 : (gint64) _moe_sample_token (x + (gsize) r * V, V, f->temperature, f->top_k,
+                                                                     f->top_p, b);
+            if (got[r] != want)
+              g_error ("V %u, filters %u, row %u: token %" G_GINT64_FORMAT ", expected %" G_GINT64_FORMAT, V, i, r,
+                       got[r], want);
+          }
+        /* one draw a sampled row */
+        g_assert_cmpuint (g_rand_int (a), ==, g_rand_int (b));
+      }
+}
+
 int
 main (int argc, char *argv[])
 {
   g_test_init (&argc, &argv, NULL);
   g_test_add_func ("/sampling/vocabularies", test_vocabularies);
   g_test_add_func ("/sampling/distribution", test_distribution);
+  g_test_add_func ("/sampling/rows", test_rows);
   return g_test_run ();
 }
