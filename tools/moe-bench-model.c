@@ -51,6 +51,10 @@ static int opt_decode_prompt = 16;
 static int opt_repeats = 3;
 static gboolean opt_generate_only;
 static int opt_seed = 1234;
+static char *opt_sample;
+/* --sample's filters, parsed */
+static double sample_temperature = 1.0, sample_top_p = 1.0;
+static guint sample_top_k;
 
 static const GOptionEntry entries[] = {
   { "model", 'm', 0, G_OPTION_ARG_FILENAME, &opt_model, "The checkpoint directory", "DIR" },
@@ -65,6 +69,8 @@ static const GOptionEntry entries[] = {
   { "generate-only", 0, 0, G_OPTION_ARG_NONE, &opt_generate_only,
     "Time the prefill only as generation pays it (no all-logits forward)", NULL },
   { "seed", 0, 0, G_OPTION_ARG_INT, &opt_seed, "Seed of the random prompts (default 1234)", "N" },
+  { "sample", 0, 0, G_OPTION_ARG_STRING, &opt_sample,
+    "Generate by do_sample with this temperature, top-k and top-p (default: greedy)", "T,K,P" },
   { NULL }
 };
 
@@ -136,8 +142,10 @@ time_generate (MoeModel *model, MoeTensor *ids, guint max_new, GError **error)
   g_autoptr(MoeTensor) out = NULL;
   gint64 t0, want = moe_tensor_get_dim (ids, 1) + max_new;
 
-  /* greedy, and no end token: every sequence runs max_new steps */
-  g_object_set (config, "max-new-tokens", max_new, "do-sample", FALSE, NULL);
+  /* greedy (or --sample's), and no end token: every sequence runs max_new steps */
+  g_object_set (config, "max-new-tokens", max_new, "do-sample", opt_sample != NULL, NULL);
+  if (opt_sample != NULL)
+    g_object_set (config, "temperature", sample_temperature, "top-k", sample_top_k, "top-p", sample_top_p, NULL);
   moe_generation_config_set_eos_token_ids (config, NULL, 0);
   t0 = g_get_monotonic_time ();
   out = moe_model_generate (model, ids, config, NULL, error);
@@ -222,6 +230,26 @@ main (int    argc,
                    "--prefill must be ≥ 0, --decode-steps, --decode-prompt and --repeats ≥ 1");
       goto fail;
     }
+  if (opt_sample != NULL)
+    {
+      char *end = NULL;
+      gint64 k = -1;
+
+      sample_temperature = g_ascii_strtod (opt_sample, &end);
+      if (end != NULL && *end == ',')
+        k = g_ascii_strtoll (end + 1, &end, 10);
+      if (end != NULL && *end == ',')
+        sample_top_p = g_ascii_strtod (end + 1, &end);
+      if (end == NULL || *end != '\0' || !(sample_temperature > 0) || k < 0 || k > G_MAXUINT ||
+          !(sample_top_p >= 0 && sample_top_p <= 1))
+        {
+          g_set_error (&error, G_OPTION_ERROR, G_OPTION_ERROR_BAD_VALUE,
+                       "--sample takes TEMPERATURE,TOP_K,TOP_P: a temperature > 0, a top-k ≥ 0 (0: all) and a "
+                       "top-p in [0, 1], as 0.7,20,0.8; not “%s”", opt_sample);
+          goto fail;
+        }
+      sample_top_k = (guint) k;
+    }
   if (!parse_batches (opt_batches != NULL ? opt_batches : "1,8", batches, &error))
     goto fail;
   rng = g_rand_new_with_seed ((guint32) opt_seed);
@@ -280,8 +308,9 @@ main (int    argc,
         }
       /* a noisy run can make this ≤ 0 on tiny models; print it as is */
       dt = sS - s1;
-      printf ("decode B=%" G_GINT64_FORMAT " S=%d prompt=%d tok/s=%.1f ms/step=%.3f\n",
-              B, opt_decode_steps, opt_decode_prompt, B * opt_decode_steps / dt, dt * 1e3 / opt_decode_steps);
+      printf ("decode B=%" G_GINT64_FORMAT " S=%d prompt=%d%s%s tok/s=%.1f ms/step=%.3f\n",
+              B, opt_decode_steps, opt_decode_prompt, opt_sample ? " sample=" : "", opt_sample ? opt_sample : "",
+              B * opt_decode_steps / dt, dt * 1e3 / opt_decode_steps);
       fflush (stdout);
       g_array_append_val (rows, ((Row) { g_strdup_printf ("decode B=%" G_GINT64_FORMAT " after %d tokens", B,
                                                           opt_decode_prompt),
