@@ -205,6 +205,10 @@ sample_rows (gpointer data)
   return NULL;
 }
 
+/* Rows shorter than this are sampled on the calling thread alone: a row of
+ * V logits takes some V × 2-8 ns */
+#define SAMPLE_THREADS_MIN_V 16384
+
 /* (A row of Qwen's 151,936 logits takes ~0.5 ms with top-k and ~1.4 ms
  * with no filter on the development machine's CPU, one after another a
  * batch-8 step's 4-11 ms: the larger part of a GPU's 5.5 ms step.) */
@@ -232,8 +236,10 @@ _moe_sample_tokens (const float    *logits,
         draws[r.n++] = g_rand_double (rng);
       }
   /* this thread and up to one more a row (a thread that cannot start
-   * leaves its rows to the others) */
-  extra = MIN (r.n, MIN ((guint) g_get_num_processors (), G_N_ELEMENTS (threads))) - (r.n > 0);
+   * leaves its rows to the others); for short rows none, where starting
+   * one (tens of µs) costs more than a row */
+  extra = V < SAMPLE_THREADS_MIN_V ? 0
+                                   : MIN (r.n, MIN ((guint) g_get_num_processors (), G_N_ELEMENTS (threads))) - (r.n > 0);
   for (guint t = 0; t < extra; t++)
     threads[t] = g_thread_try_new ("moe-sample", sample_rows, &r, NULL);
   sample_rows (&r);
