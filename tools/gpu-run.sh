@@ -51,8 +51,9 @@
 #                                   named in REPEAT (text of the mangled
 #                                   names) launched twice in a row
 #                                   (MOE_CUDA_REPEAT), and with none, two
-#                                   rounds: a table of the extra µs a step
-#                                   each repeat costs — what the kernel
+#                                   rounds (ROUNDS=N: N): a table of the
+#                                   extra µs a step each repeat costs —
+#                                   what the kernel
 #                                   costs where it stands in the graph (a
 #                                   layer's kernel: that over the layers);
 #                                   SIDE=NAME as profile
@@ -306,7 +307,7 @@ for line in sys.stdin:
     g=gemv_mma_kernelI13__nv_bfloat16Li1E
     names=${REPEAT:-rms_norm_kernel ${g}Li0E ${g}Li1E ${g}Li2E attention_kernel route_kernel rowwise_mma \
 rowwise_down_combine argmax_kernel}
-    for round in 1 2; do
+    for round in $(seq "${ROUNDS:-2}"); do
       for name in none $names; do
         if [ "$name" = none ]; then echo "== none (nothing repeated), round $round"; else echo "== $name (repeated), round $round"; fi
         MOE_CUDA_REPEAT=$([ "$name" = none ] || echo "$name") MOE_PLUGIN_PATH=$plugins "$root/bin/moe-bench-model" \
