@@ -53,9 +53,9 @@
 #                                   (MOE_CUDA_REPEAT), and with none, two
 #                                   rounds (ROUNDS=N: N): a table of the
 #                                   extra µs a step each repeat costs —
-#                                   what the kernel
-#                                   costs where it stands in the graph (a
-#                                   layer's kernel: that over the layers);
+#                                   what the kernel costs where it stands
+#                                   in the graph (a layer's kernel: that
+#                                   over the layers);
 #                                   SIDE=NAME as profile
 #   tools/gpu-run.sh profile-experts [ARGS]
 #                                   moe-bench-cuda-experts ARGS (default:
