@@ -217,12 +217,18 @@ repeat_requested (const void *kernel)
 
   if (text == nullptr || *text == '\0')
     return false;
+#if CUDART_VERSION >= 12030   /* cudaFuncGetName's first release */
   if (cudaFuncGetName (&name, kernel) != cudaSuccess || name == nullptr)
     {
       cudaGetLastError ();
       return false;
     }
   return strstr (name, text) != nullptr;
+#else
+  (void) kernel;
+  (void) name;
+  return false;
+#endif
 }
 
 /* @kernel on @grid blocks in clusters of @cluster consecutive blocks
