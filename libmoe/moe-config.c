@@ -430,17 +430,11 @@ lookup_int (MoeConfig   *self,
             gint64      *out,
             GError     **error)
 {
-  g_autoptr(GError) local = NULL;
-  JsonNode *node = member (self, key, required, &local);
+  JsonNode *node = member (self, key, required, error);
 
   *out = fallback;
   if (node == NULL)
-    {
-      if (local == NULL)
-        return TRUE;
-      g_propagate_error (error, g_steal_pointer (&local));
-      return FALSE;
-    }
+    return !required;   /* missing: the fallback, or member ()'s error */
   if (!node_to_int (node, out))
     {
       set_type_error (self, key, "an integer", error);
@@ -498,18 +492,12 @@ lookup_double (MoeConfig   *self,
                double      *out,
                GError     **error)
 {
-  g_autoptr(GError) local = NULL;
-  JsonNode *node = member (self, key, required, &local);
+  JsonNode *node = member (self, key, required, error);
   GType t;
 
   *out = fallback;
   if (node == NULL)
-    {
-      if (local == NULL)
-        return TRUE;
-      g_propagate_error (error, g_steal_pointer (&local));
-      return FALSE;
-    }
+    return !required;   /* missing: the fallback, or member ()'s error */
   t = JSON_NODE_HOLDS_VALUE (node) ? json_node_get_value_type (node) : G_TYPE_INVALID;
   if (t == G_TYPE_DOUBLE || t == G_TYPE_INT64)
     {
@@ -568,17 +556,11 @@ lookup_boolean (MoeConfig   *self,
                 gboolean    *out,
                 GError     **error)
 {
-  g_autoptr(GError) local = NULL;
-  JsonNode *node = member (self, key, required, &local);
+  JsonNode *node = member (self, key, required, error);
 
   *out = fallback;
   if (node == NULL)
-    {
-      if (local == NULL)
-        return TRUE;
-      g_propagate_error (error, g_steal_pointer (&local));
-      return FALSE;
-    }
+    return !required;   /* missing: the fallback, or member ()'s error */
   if (JSON_NODE_HOLDS_VALUE (node) && json_node_get_value_type (node) == G_TYPE_BOOLEAN)
     {
       *out = json_node_get_boolean (node);
@@ -635,16 +617,10 @@ lookup_string (MoeConfig   *self,
                const char  *fallback,
                GError     **error)
 {
-  g_autoptr(GError) local = NULL;
-  JsonNode *node = member (self, key, required, &local);
+  JsonNode *node = member (self, key, required, error);
 
   if (node == NULL)
-    {
-      if (local == NULL)
-        return g_strdup (fallback);
-      g_propagate_error (error, g_steal_pointer (&local));
-      return NULL;
-    }
+    return required ? NULL : g_strdup (fallback);   /* member () set the error */
   if (JSON_NODE_HOLDS_VALUE (node) && json_node_get_value_type (node) == G_TYPE_STRING)
     return g_strdup (json_node_get_string (node));
   set_type_error (self, key, "a string", error);
