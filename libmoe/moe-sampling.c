@@ -209,9 +209,10 @@ sample_rows (gpointer data)
  * V logits takes some V × 2-8 ns */
 #define SAMPLE_THREADS_MIN_V 16384
 
-/* (A row of Qwen's 151,936 logits takes ~0.5 ms with top-k and ~1.4 ms
- * with no filter on the development machine's CPU, one after another a
- * batch-8 step's 4-11 ms: the larger part of a GPU's 5.5 ms step.) */
+/* (A row of Qwen's 151,936 logits takes ~0.3 ms with Qwen's top-k and
+ * top-p, ~1.0-1.3 with no filter and ~2.6 with top-p alone on the
+ * development machine's CPU: one after another, a batch-8 step's 3-17 ms
+ * beside an H100's 5.5 ms forward; tools/moe-bench-sampling.) */
 void
 _moe_sample_tokens (const float    *logits,
                     guint           B,
@@ -227,7 +228,7 @@ _moe_sample_tokens (const float    *logits,
   g_autofree double *draws = g_new (double, B);
   GThread *threads[16] = { NULL, };
   Rows r = { logits, V, temperature, top_p, top_k, 0, rows, draws, tokens, 0 };
-  guint extra;
+  guint workers;
 
   for (guint i = 0; i < B; i++)
     if (skip == NULL || !skip[i])
@@ -235,15 +236,14 @@ _moe_sample_tokens (const float    *logits,
         rows[r.n] = i;
         draws[r.n++] = g_rand_double (rng);
       }
-  /* this thread and up to one more a row (a thread that cannot start
-   * leaves its rows to the others); for short rows none, where starting
-   * one (tens of µs) costs more than a row */
-  extra = V < SAMPLE_THREADS_MIN_V ? 0
-                                   : MIN (r.n, MIN ((guint) g_get_num_processors (), G_N_ELEMENTS (threads))) - (r.n > 0);
-  for (guint t = 0; t < extra; t++)
+  /* this thread and the others: one a row at most, no more than the
+   * processors (one that cannot start leaves its rows to the rest); short
+   * rows all here, as starting a thread (tens of µs) costs more than one */
+  workers = V < SAMPLE_THREADS_MIN_V ? 1 : MIN (r.n, MIN ((guint) g_get_num_processors (), G_N_ELEMENTS (threads)));
+  for (guint t = 1; t < workers; t++)
     threads[t] = g_thread_try_new ("moe-sample", sample_rows, &r, NULL);
   sample_rows (&r);
-  for (guint t = 0; t < extra; t++)
+  for (guint t = 1; t < workers; t++)
     if (threads[t] != NULL)
       g_thread_join (threads[t]);
 }
