@@ -225,6 +225,26 @@ void moe_cuda_gemv           (const MoeCudaGemv *g, cudaStream_t stream);
 /* out[r] = the first index of row r's largest value (greedy decoding) */
 void moe_cuda_argmax         (const float *x, int rows, int n, int64_t *out, cudaStream_t stream);
 
+/* do_sample where the logits are (moe-cuda-sampling.cu): row r's token
+ * drawn with draws[r] as libmoe/moe-sampling.c draws it — the logits over
+ * @temperature, the @top_k best, the fewest of those that hold @top_p of
+ * their probability, the draw walked over the kept tokens in id order —
+ * into out[r]; -1 where the row has no draw (negative) or keeps more than
+ * MOE_CUDA_SAMPLE_MAX_KEPT tokens (a top-k past it, or a top-p alone whose
+ * best MOE_CUDA_SAMPLE_MAX_KEPT do not hold it): the host samples those */
+#define MOE_CUDA_SAMPLE_MAX_KEPT 1024
+typedef struct {
+  const float *logits;    /* [rows, n] */
+  int rows, n;
+  float temperature;
+  int top_k;              /* 0: none */
+  double top_p;           /* 1 or more: none */
+  const double *draws;    /* [rows]: uniform on [0, 1), or negative */
+  int64_t *out;           /* [rows] */
+} MoeCudaSampling;
+
+void moe_cuda_sample         (const MoeCudaSampling *s, cudaStream_t stream);
+
 /* y = x as float32 */
 void moe_cuda_to_f32         (int dtype, const void *x, size_t n, float *y, cudaStream_t stream);
 

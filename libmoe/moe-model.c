@@ -962,7 +962,7 @@ forward_locked (MoeModel *self, const Batch *b, GError **error)
 
   cache = _moe_kv_cache_new (self->transformer, b->B);
   ok = _moe_transformer_forward (self->transformer, cache, b->ids, b->B, b->T, positions, b->mask, FALSE,
-                                 moe_tensor_get_mutable_data (logits), NULL, error);
+                                 moe_tensor_get_mutable_data (logits), NULL, NULL, error);
   _moe_kv_cache_free (cache);
   return ok ? g_steal_pointer (&logits) : NULL;
 }
@@ -1098,19 +1098,6 @@ token_call_free (gpointer p)
   g_free (c);
 }
 
-/* do_sample's tokens for the @B rows not @finished (greedy decoding is
- * _moe_greedy_token) */
-static void
-sample (const float *logits, guint B, gint64 V, const gboolean *finished, MoeGenerationConfig *config, GRand *rng,
-        gint64 *tokens)
-{
-  double temperature, top_p;
-  guint top_k;
-
-  g_object_get (config, "temperature", &temperature, "top-k", &top_k, "top-p", &top_p, NULL);
-  _moe_sample_tokens (logits, B, V, finished, temperature, top_k, top_p, rng, tokens);
-}
-
 static MoeTensor *
 generate_locked (MoeModel            *self,
                  const Batch         *b,
@@ -1129,8 +1116,9 @@ generate_locked (MoeModel            *self,
   g_autofree gint64 *positions = g_new (gint64, (gsize) b->B * b->T);
   g_autofree gint64 *next_pos = g_new (gint64, b->B);
   g_autofree float *logits = g_new (float, (gsize) b->B * V);
-  g_autofree gint64 *greedy = NULL;
-  g_autofree gint64 *sampled = NULL;
+  g_autofree gint64 *tokens = g_new (gint64, b->B);
+  g_autofree double *draws = NULL;
+  MoeSampling sampling = { 0, };
   g_autofree gboolean *finished = g_new0 (gboolean, b->B);
   g_autoptr(GArray) out = g_array_new (FALSE, FALSE, sizeof (gint64));   /* [steps][B] */
   g_autofree guint8 *valid = NULL;
@@ -1142,12 +1130,14 @@ generate_locked (MoeModel            *self,
 
   g_object_get (config, "max-new-tokens", &max_new, "seed", &seed, "pad-token-id", &pad, "do-sample", &do_sample,
                 NULL);
-  /* greedy: the model picks the tokens where the logits are (a GPU sends
-   * back B ids, not B·V floats); sampling reads the logits here */
-  if (!do_sample)
-    greedy = g_new (gint64, b->B);
-  else
-    sampled = g_new (gint64, b->B);
+  /* the model picks the tokens where the logits are (a GPU sends back B
+   * ids, not B·V floats), sampling with the draws taken here */
+  if (do_sample)
+    {
+      g_object_get (config, "temperature", &sampling.temperature, "top-k", &sampling.top_k, "top-p", &sampling.top_p,
+                    NULL);
+      sampling.draws = draws = g_new (double, b->B);
+    }
   eos = moe_generation_config_get_eos_token_ids (config, &n_eos);
   if (pad < 0)
     pad = n_eos > 0 ? eos[0] : 0;
@@ -1241,17 +1231,18 @@ generate_locked (MoeModel            *self,
       moe_mutex_lock (&self->lock);
       sync_experts_locked (self);
       moe_mutex_unlock (&self->lock);
-      if (!_moe_transformer_forward (tf, cache, ids, b->B, T, pos, key_valid, TRUE, logits, greedy, error))
+      if (draws != NULL)
+        _moe_sample_draws (rng, b->B, finished, draws);
+      if (!_moe_transformer_forward (tf, cache, ids, b->B, T, pos, key_valid, TRUE, logits,
+                                     draws != NULL ? &sampling : NULL, tokens, error))
         {
           ok = FALSE;
           break;
         }
 
-      if (sampled != NULL)
-        sample (logits, b->B, V, finished, config, rng, sampled);
       for (guint i = 0; i < b->B; i++)
         {
-          gint64 tok = finished[i] ? pad : greedy ? greedy[i] : sampled[i];
+          gint64 tok = finished[i] ? pad : tokens[i];
           g_array_append_val (out, tok);
           for (guint e = 0; e < n_eos && !finished[i]; e++)
             finished[i] = tok == eos[e];

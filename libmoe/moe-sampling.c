@@ -3,6 +3,7 @@
  * SPDX-License-Identifier: LGPL-2.1-or-later
  */
 #include <math.h>
+#include <stdlib.h>
 
 #include "moe-sampling-private.h"
 
@@ -75,6 +76,35 @@ first_in_order (const double *p, guint V, guint m, guint *top)
   g_qsort_with_data (top, m, sizeof (guint), compare_rank, (gpointer) p);
 }
 
+static int
+compare_id (gconstpointer a, gconstpointer b)
+{
+  guint x = *(const guint *) a, y = *(const guint *) b;
+
+  return x < y ? -1 : x > y;
+}
+
+/* @top's first @n tokens (of a @V-token vocabulary) put in id order: a
+ * sort where they are few, one pass over the vocabulary where many */
+static void
+in_id_order (guint *top, guint n, guint V)
+{
+  g_autofree guint8 *kept = NULL;
+  guint i = 0;
+
+  if (n <= HEAP_MAX (V))
+    {
+      qsort (top, n, sizeof (guint), compare_id);
+      return;
+    }
+  kept = g_new0 (guint8, V);
+  for (guint j = 0; j < n; j++)
+    kept[top[j]] = 1;
+  for (guint v = 0; v < V; v++)
+    if (kept[v])
+      top[i++] = v;
+}
+
 /* _moe_sample_token () with its one draw @u (uniform on [0, 1)) taken
  * before: the same token, as nothing else draws */
 static guint
@@ -134,17 +164,17 @@ sample_with_draw (const float *logits,
       if (acc >= top_p)
         break;
     }
-  if (n < V)
-    {
-      /* top-k: the probabilities over the k */
-      sum = 0;
-      for (guint i = 0; i < n; i++)
-        sum += exp (p[order[i]] - max);
-    }
   if (top_p < 1.0)
     {
       guint keep = 0;
 
+      if (n < V)
+        {
+          /* top-k: the probabilities over the k */
+          sum = 0;
+          for (guint i = 0; i < n; i++)
+            sum += exp (p[order[i]] - max);
+        }
       acc = 0;
       for (; keep < m; keep++)
         {
@@ -156,10 +186,14 @@ sample_with_draw (const float *logits,
             }
         }
       n = MAX (MIN (keep, m), 1);
-      sum = 0;
-      for (guint i = 0; i < n; i++)
-        sum += exp (p[order[i]] - max);
     }
+  /* the draw walks the kept tokens in id order, as torch.multinomial does
+   * over transformers' masked probabilities (and a device can, with no
+   * sort of what it keeps) */
+  in_id_order (order, n, V);
+  sum = 0;
+  for (guint i = 0; i < n; i++)
+    sum += exp (p[order[i]] - max);
   r = u * sum;
   acc = 0;
   for (guint i = 0; i < n; i++)
@@ -182,14 +216,22 @@ _moe_sample_token (const float *logits,
   return sample_with_draw (logits, V, temperature, top_k, top_p, g_rand_double (rng));
 }
 
+void
+_moe_sample_draws (GRand          *rng,
+                   guint           B,
+                   const gboolean *skip,
+                   double         *draws)
+{
+  for (guint i = 0; i < B; i++)
+    draws[i] = skip != NULL && skip[i] ? -1.0 : g_rand_double (rng);
+}
+
 typedef struct {
   const float *logits;
   gint64 V;
-  double temperature, top_p;
-  guint top_k;
+  const MoeSampling *s;
   guint n;                  /* rows to sample */
   const guint *rows;        /* their indexes */
-  const double *draws;      /* their draws */
   gint64 *tokens;
   gint next;                /* the next of them to take (atomic) */
 } Rows;
@@ -198,10 +240,11 @@ static gpointer
 sample_rows (gpointer data)
 {
   Rows *r = data;
+  const MoeSampling *s = r->s;
 
   for (guint j; (j = (guint) g_atomic_int_add (&r->next, 1)) < r->n;)
-    r->tokens[r->rows[j]] = sample_with_draw (r->logits + (gsize) r->rows[j] * r->V, r->V, r->temperature,
-                                              r->top_k, r->top_p, r->draws[j]);
+    r->tokens[r->rows[j]] = sample_with_draw (r->logits + (gsize) r->rows[j] * r->V, r->V, s->temperature,
+                                              s->top_k, s->top_p, s->draws[r->rows[j]]);
   return NULL;
 }
 
@@ -214,28 +257,20 @@ sample_rows (gpointer data)
  * development machine's CPU: one after another, a batch-8 step's 3-17 ms
  * beside an H100's 5.5 ms forward; tools/moe-bench-sampling.) */
 void
-_moe_sample_tokens (const float    *logits,
-                    guint           B,
-                    gint64          V,
-                    const gboolean *skip,
-                    double          temperature,
-                    guint           top_k,
-                    double          top_p,
-                    GRand          *rng,
-                    gint64         *tokens)
+_moe_sample_tokens (const float       *logits,
+                    guint              B,
+                    gint64             V,
+                    const MoeSampling *s,
+                    gint64            *tokens)
 {
   g_autofree guint *rows = g_new (guint, B);
-  g_autofree double *draws = g_new (double, B);
   GThread *threads[16] = { NULL, };
-  Rows r = { logits, V, temperature, top_p, top_k, 0, rows, draws, tokens, 0 };
+  Rows r = { logits, V, s, 0, rows, tokens, 0 };
   guint workers;
 
   for (guint i = 0; i < B; i++)
-    if (skip == NULL || !skip[i])
-      {
-        rows[r.n] = i;
-        draws[r.n++] = g_rand_double (rng);
-      }
+    if (s->draws[i] >= 0)
+      rows[r.n++] = i;
   /* this thread and the others: one a row at most, no more than the
    * processors (one that cannot start leaves its rows to the rest); short
    * rows all here, as starting a thread (tens of µs) costs more than one */

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "moe-private.h"
+#include "moe-sampling-private.h"
 
 G_BEGIN_DECLS
 
@@ -122,8 +123,11 @@ typedef struct {
   const guint8 *key_valid;     /* [B, past + T] or NULL */
   gboolean      last_only;
   float        *logits;        /* [B, T, V], or [B, V] when last_only; unwritten with @tokens */
-  gint64       *tokens;        /* or NULL; with last_only: [B], each row's greedy token (the
-                                * first index of its largest logit), the logits left on the device */
+  gint64       *tokens;        /* or NULL; with last_only: [B], each row's next token, the logits
+                                * left on the device: greedy (the first index of its largest
+                                * logit), or sampled as @sampling says */
+  const MoeSampling *sampling; /* with @tokens: do_sample's (NULL: greedy); a row the device
+                                * does not sample gets token -1 and its logits in @logits */
 } MoeDecoderStep;
 
 MoeTransformer *_moe_transformer_new          (MoeConfig      *config,
@@ -160,9 +164,11 @@ guint           _moe_kv_cache_get_length      (MoeKvCache     *cache);
  * [B, past + T] (which cached and new positions may be attended to; NULL:
  * all). Writes logits [B, T, V] into @logits, or only the last position's
  * [B, V] when @last_only; or, with @last_only and @tokens set, only each
- * sequence's greedy next token (its logits' first argmax) into @tokens:
- * a device computes it where its logits are and leaves @logits unwritten,
- * the host path computes the logits into @logits first. */
+ * sequence's next token into @tokens — greedy (its logits' first argmax),
+ * or with @sampling drawn as _moe_sample_tokens () does (rows with no draw
+ * left alone): a device computes it where its logits are and leaves
+ * @logits unwritten, the host path computes the logits into @logits
+ * first. */
 gboolean        _moe_transformer_forward      (MoeTransformer *self,
                                                MoeKvCache     *cache,
                                                const gint64   *ids,
@@ -172,6 +178,7 @@ gboolean        _moe_transformer_forward      (MoeTransformer *self,
                                                const guint8   *key_valid,
                                                gboolean        last_only,
                                                float          *logits,
+                                               const MoeSampling *sampling,
                                                gint64         *tokens,
                                                GError        **error);
 

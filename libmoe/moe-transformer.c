@@ -1533,6 +1533,7 @@ _moe_transformer_forward (MoeTransformer *m,
                           const guint8   *key_valid,
                           gboolean        last_only,
                           float          *logits,
+                          const MoeSampling *sampling,
                           gint64         *tokens,
                           GError        **error)
 {
@@ -1554,10 +1555,24 @@ _moe_transformer_forward (MoeTransformer *m,
 
   if (m->device_decoder != NULL)
     {
-      MoeDecoderStep step = { cache, ids, batch, n_tokens, positions, key_valid, last_only, logits, tokens };
+      MoeDecoderStep step = { cache, ids, batch, n_tokens, positions, key_valid, last_only, logits, tokens,
+                              tokens != NULL ? sampling : NULL };
       if (!MOE_DEVICE_GET_CLASS (m->device)->decoder_forward (m->device, m->device_decoder, &step, error))
         return FALSE;
       cache->length += n_tokens;
+      if (step.sampling != NULL)
+        {
+          /* the rows the device left to the host, with their logits */
+          g_autofree double *draws = g_new (double, batch);
+          MoeSampling rest = *sampling;
+          gboolean any = FALSE;
+
+          for (guint b = 0; b < batch; b++)
+            any |= (draws[b] = sampling->draws[b] >= 0 && tokens[b] < 0 ? sampling->draws[b] : -1.0) >= 0;
+          rest.draws = draws;
+          if (any)
+            _moe_sample_tokens (logits, batch, m->vocab, &rest, tokens);
+        }
       return TRUE;
     }
 
@@ -1625,7 +1640,9 @@ _moe_transformer_forward (MoeTransformer *m,
       rows = keep_last_rows (h, batch, n_tokens, H);   /* a model of no layers */
     rms_norm (m, h, rows, H, H, m->final_norm, x);
     linear (m, &head, x, rows, logits);
-    if (tokens != NULL)
+    if (tokens != NULL && sampling != NULL)
+      _moe_sample_tokens (logits, batch, m->vocab, sampling, tokens);
+    else if (tokens != NULL)
       for (gsize r = 0; r < rows; r++)
         tokens[r] = _moe_greedy_token (logits + r * m->vocab, m->vocab);
   }

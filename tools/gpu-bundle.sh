@@ -13,7 +13,7 @@
 # (stripped, xz: ~4.3 MB), as _gpu/candidate-NAME.so.xz (its commit in
 # _gpu/candidate-NAME.commit), and the programs that link the kernels
 # themselves rather than load the plugin (test-cuda-attention,
-# test-cuda-rope, moe-bench-attention: ~2.2 MB) as
+# test-cuda-rope, test-cuda-sampling, moe-bench-attention: ~2.2 MB) as
 # _gpu/candidate-NAME.bin.tar.xz, beside the bundle already there: several
 # changes (branches) tested and timed in one call (tools/gpu-run.sh test
 # NAME, compare, attention-compare). A new bundle drops the candidates, but
@@ -37,7 +37,7 @@ esac
 
 # the programs that link the kernels themselves (not the plugin), by
 # their paths in the build; the bundle has them in bin/
-KERNEL_PROGRAMS="tests/gpu/test-cuda-attention tests/gpu/test-cuda-rope tools/moe-bench-attention"
+KERNEL_PROGRAMS="tests/gpu/test-cuda-attention tests/gpu/test-cuda-rope tests/gpu/test-cuda-sampling tools/moe-bench-attention"
 
 # keep_plugin SO NAME COMMIT PROGRAM…: SO stripped and compressed as
 # candidate NAME, with the programs (KERNEL_PROGRAMS' paths)
@@ -94,7 +94,7 @@ for p in eager batched_mm grouped_mm deepgemm sonicmoe deepgemm_megamoe cuda; do
   cp "$build/plugins/$p/libmoe-$p.so" "$build/plugins/$p/$p.plugin" "$stage/plugins/"
 done
 cp "$build/tests/gpu/test-cuda-experts" "$build/tests/gpu/test-cuda-model" "$build/tests/gpu/test-cuda-attention" \
-   "$build/tests/gpu/test-cuda-rope" "$build/tests/c/test-experts" \
+   "$build/tests/gpu/test-cuda-rope" "$build/tests/gpu/test-cuda-sampling" "$build/tests/c/test-experts" \
    "$build/tools/moe-bench-cuda-experts" "$build/tools/moe-bench-attention" "$build/tools/moe-bench-model" "$build/cli/moe" "$stage/bin/"
 
 for f in "$stage"/lib/* "$stage"/plugins/*.so "$stage"/bin/*; do ldd "$f"; done |

@@ -191,7 +191,7 @@ case "$what" in
   test)
     side=${1:-this}
     [ $# -gt 0 ] && shift
-    tests=${*:-test-cuda-experts test-cuda-model test-cuda-attention test-cuda-rope test-experts}
+    tests=${*:-test-cuda-experts test-cuda-model test-cuda-attention test-cuda-rope test-cuda-sampling test-experts}
     dir=$(side_of "$side") || exit 1
     MOE_PLUGIN_PATH=$dir/plugins
     export MOE_PLUGIN_PATH

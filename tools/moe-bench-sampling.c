@@ -99,8 +99,13 @@ main (int argc, char *argv[])
                   tokens[b] = _moe_sample_token (x + (gsize) b * V, V, filters[f].temperature, filters[f].top_k,
                                                  filters[f].top_p, rng);
               else
-                _moe_sample_tokens (x, B, V, NULL, filters[f].temperature, filters[f].top_k, filters[f].top_p,
-                                    rng, tokens);
+                {
+                  g_autofree double *draws = g_new (double, B);
+                  const MoeSampling s = { filters[f].temperature, filters[f].top_k, filters[f].top_p, draws };
+
+                  _moe_sample_draws (rng, B, NULL, draws);
+                  _moe_sample_tokens (x, B, V, &s, tokens);
+                }
               ms[way][r] = (g_get_monotonic_time () - t0) / 1e3;
             }
         for (int way = 0; way < 2; way++)

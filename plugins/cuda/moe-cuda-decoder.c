@@ -50,6 +50,7 @@ typedef struct {
   gboolean              trace;       /* MOE_CUDA_TRACE set: each forward says where its time went */
   gboolean              graphs;      /* decode steps as CUDA graphs (MOE_CUDA_GRAPHS=0: never) */
   gboolean              trim_last;   /* the last layer on the rows that make logits only (MOE_CUDA_TRIM_LAST=0: never) */
+  gboolean              sample;      /* do_sample's draws here (MOE_CUDA_SAMPLE=0: the logits to the host, which draws) */
   /* the shared expert runs here, beside the router and the routed experts,
    * its GEMMs on a cuBLAS handle of its own (a handle's workspace is not
    * for two streams at once); NULL: all on the device's stream
@@ -257,6 +258,7 @@ moe_cuda_decoder_new (MoeDevice      *device,
   d->trace = g_getenv ("MOE_CUDA_TRACE") != NULL;
   d->graphs = g_strcmp0 (g_getenv ("MOE_CUDA_GRAPHS"), "0") != 0 && !d->trace;
   d->trim_last = g_strcmp0 (g_getenv ("MOE_CUDA_TRIM_LAST"), "0") != 0;
+  d->sample = g_strcmp0 (g_getenv ("MOE_CUDA_SAMPLE"), "0") != 0;
   if (m->has_shared && g_strcmp0 (g_getenv ("MOE_CUDA_SIDE_STREAM"), "0") != 0 &&
       (cudaStreamCreateWithFlags (&d->side, cudaStreamNonBlocking) != cudaSuccess ||
        cudaEventCreateWithFlags (&d->fork, cudaEventDisableTiming) != cudaSuccess ||
@@ -1263,23 +1265,49 @@ new_typed (Decoder *d, MoeDType dtype, gint64 n, GError **error)
   return moe_tensor_new_empty (MOE_DEVICE (d->dev), dtype, &n, 1, error);
 }
 
-/* The step's result to the host, and the wait for it: the logits, or
- * (greedy decoding) only each row's token, picked on the device. */
+/* The step's result to the host, and the wait for it: the logits, or only
+ * each row's token, picked on the device — greedy, or sampled (the rows
+ * the kernel leaves to the host get their logits). */
 static gboolean
 send_back (Decoder *d, const MoeDecoderStep *st, MoeTensor *logits_f32, int rows, GError **error)
 {
+  MoeDeviceClass *klass = MOE_DEVICE_GET_CLASS (d->dev);
   cudaStream_t stream = d->dev->stream;
-  g_autoptr(MoeTensor) tokens = NULL;
+  const MoeSampling *sampling = st->sampling;
+  const gsize row_bytes = (gsize) d->m->vocab * sizeof (float);
+  g_autoptr(MoeTensor) tokens = NULL, draws = NULL;
 
-  if (st->tokens == NULL)
-    return MOE_DEVICE_GET_CLASS (d->dev)->copy_to_host (MOE_DEVICE (d->dev), st->logits, DATA (logits_f32),
-                                                        (gsize) rows * d->m->vocab * sizeof (float), error);
+  if (st->tokens == NULL || (sampling != NULL && !d->sample))
+    {
+      /* (every row left to the host, where sampling takes no token) */
+      for (int r = 0; st->tokens != NULL && r < rows; r++)
+        st->tokens[r] = -1;
+      return klass->copy_to_host (MOE_DEVICE (d->dev), st->logits, DATA (logits_f32), rows * row_bytes, error);
+    }
   if ((tokens = new_typed (d, MOE_DTYPE_I64, rows, error)) == NULL)
     return FALSE;
-  moe_cuda_argmax (DATA (logits_f32), rows, (int) d->m->vocab, DATA (tokens), stream);
-  return moe_cuda_check (cudaMemcpyAsync (st->tokens, DATA (tokens), (gsize) rows * sizeof (gint64),
-                                          cudaMemcpyDeviceToHost, stream), "copying the greedy tokens", error) &&
-         moe_device_synchronize (MOE_DEVICE (d->dev), error);
+  if (sampling == NULL)
+    moe_cuda_argmax (DATA (logits_f32), rows, (int) d->m->vocab, DATA (tokens), stream);
+  else
+    {
+      MoeCudaSampling s = { DATA (logits_f32), rows, (int) d->m->vocab, (float) sampling->temperature,
+                            (int) MIN (sampling->top_k, (guint) G_MAXINT), sampling->top_p, NULL, DATA (tokens) };
+
+      if ((draws = upload (d, MOE_DTYPE_F64, sampling->draws, rows, error)) == NULL)
+        return FALSE;
+      s.draws = DATA (draws);
+      moe_cuda_sample (&s, stream);
+    }
+  if (!moe_cuda_check (cudaMemcpyAsync (st->tokens, DATA (tokens), (gsize) rows * sizeof (gint64),
+                                        cudaMemcpyDeviceToHost, stream), "copying the chosen tokens", error) ||
+      !moe_device_synchronize (MOE_DEVICE (d->dev), error))
+    return FALSE;
+  for (int r = 0; sampling != NULL && r < rows; r++)
+    if (st->tokens[r] < 0 && sampling->draws[r] >= 0 &&
+        !klass->copy_to_host (MOE_DEVICE (d->dev), (char *) st->logits + r * row_bytes,
+                              (const char *) DATA (logits_f32) + r * row_bytes, row_bytes, error))
+      return FALSE;
+  return TRUE;
 }
 
 /* A one-token step through the cache's graph: the inputs into its fixed

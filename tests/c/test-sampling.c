@@ -11,6 +11,7 @@
 #include <glib.h>
 
 #include "moe-sampling-private.h"
+#include "moe-test-logits.h"
 
 typedef struct {
   double temperature;
@@ -29,8 +30,16 @@ by_rank (gconstpointer a, gconstpointer b, gpointer data)
   return x < y ? -1 : x > y;
 }
 
+static int
+by_id (gconstpointer a, gconstpointer b, gpointer data)
+{
+  guint x = *(const guint *) a, y = *(const guint *) b;
+
+  return x < y ? -1 : x > y;
+}
+
 /* transformers' warpers as written: scale, sort, keep the top k, keep the
- * fewest that hold top_p, draw; with neither filter, draw in id order */
+ * fewest that hold top_p, draw over what is kept in id order */
 static guint
 reference (const float *logits, guint V, const Filters *f, GRand *rng)
 {
@@ -74,10 +83,13 @@ reference (const float *logits, guint V, const Filters *f, GRand *rng)
             break;
         }
       n = MAX (keep, 1);
-      sum = 0;
-      for (guint i = 0; i < n; i++)
-        sum += exp (p[order[i]] - max);
     }
+  /* the kept tokens' probabilities in id order, as torch.multinomial
+   * walks them */
+  g_qsort_with_data (order, n, sizeof (guint), by_id, NULL);
+  sum = 0;
+  for (guint i = 0; i < n; i++)
+    sum += exp (p[order[i]] - max);
   r = g_rand_double (rng) * sum;
   acc = 0;
   for (guint i = 0; i < n; i++)
@@ -117,23 +129,6 @@ static const Filters filters[] = {
   { 1.0, 0, 0.0 },    /* top-p 0: the best token alone */
 };
 
-/* @V logits: a peaked (normal, spread @spread) row; with @levels > 0 only
- * that many distinct values (ties everywhere) */
-static float *
-random_logits (GRand *rand, guint V, double spread, guint levels)
-{
-  float *x = g_new (float, V);
-
-  for (guint v = 0; v < V; v++)
-    {
-      /* Box-Muller */
-      double u = g_rand_double_range (rand, 1e-12, 1.0), w = g_rand_double (rand);
-      double z = sqrt (-2.0 * log (u)) * cos (2 * G_PI * w) * spread;
-      x[v] = levels > 0 ? (float) floor (z * levels / 8.0) : (float) z;
-    }
-  return x;
-}
-
 static void
 test_vocabularies (void)
 {
@@ -144,7 +139,7 @@ test_vocabularies (void)
     for (guint shape = 0; shape < 3; shape++)
       {
         /* sharp, flat, and with ties */
-        g_autofree float *x = random_logits (rand, sizes[s], shape == 1 ? 0.5 : 3.0, shape == 2 ? 4 : 0);
+        g_autofree float *x = moe_test_random_logits (rand, sizes[s], shape == 1 ? 0.5 : 3.0, shape == 2 ? 4 : 0);
         for (guint i = 0; i < G_N_ELEMENTS (filters); i++)
           check_row (x, sizes[s], &filters[i], sizes[s] > 10000 ? 2 : 40);
       }
@@ -181,16 +176,19 @@ test_rows (void)
         const Filters *f = &filters[i];
         g_autofree float *x = g_new (float, (gsize) B * V);
         gint64 got[9];
+        double draws[9];
+        const MoeSampling sampling = { f->temperature, f->top_k, f->top_p, draws };
         g_autoptr(GRand) a = g_rand_new_with_seed (100 + i);
         g_autoptr(GRand) b = g_rand_new_with_seed (100 + i);
 
         for (guint r = 0; r < B; r++)
           {
-            g_autofree float *row = random_logits (rand, V, r % 2 ? 0.5 : 3.0, r % 3 == 2 ? 4 : 0);
+            g_autofree float *row = moe_test_random_logits (rand, V, r % 2 ? 0.5 : 3.0, r % 3 == 2 ? 4 : 0);
             memcpy (x + (gsize) r * V, row, V * sizeof (float));
             got[r] = -7;
           }
-        _moe_sample_tokens (x, B, V, skip, f->temperature, f->top_k, f->top_p, a, got);
+        _moe_sample_draws (a, B, skip, draws);
+        _moe_sample_tokens (x, B, V, &sampling, got);
         for (guint r = 0; r < B; r++)
           {
             gint64 want = skip[r] ? -7 : (gint64) _moe_sample_token (x + (gsize) r * V, V, f->temperature, f->top_k,

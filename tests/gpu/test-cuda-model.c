@@ -124,6 +124,45 @@ test_decode_switch (void)
   g_assert_cmpstr (events->pdata[1], ==, ":batched_mm>grouped_mm");
 }
 
+/* do_sample picks its tokens on the device: with the host's draws they
+ * are the CPU's (the float32 logits agree closely enough), seeded runs
+ * repeat, and top-k 1 is the fixture's greedy generation. */
+static void
+test_sampling (void)
+{
+  static const struct { double temperature; guint top_k; double top_p; } settings[] = {
+    { 1.0, 0, 1.0 },    /* no filter */
+    { 0.7, 50, 0.9 },   /* top-k and top-p */
+    { 0.8, 0, 0.95 },   /* top-p alone */
+    { 1.0, 1, 1.0 },    /* greedy */
+  };
+  g_autoptr(MoeModel) gpu = load_model ("qwen3_moe", "float32");
+  g_autoptr(MoeModel) cpu = moe_test_load_model ("qwen3_moe", "float32", NULL, "cpu");
+  g_autoptr(MoeTensor) ids = moe_test_model_reference ("qwen3_moe", "reference.safetensors", "input_ids");
+  g_autoptr(MoeTensor) generated = moe_test_model_reference ("qwen3_moe", "reference.safetensors", "generated");
+  g_autoptr(MoeTensor) prompt = moe_test_first_row (ids);
+
+  for (guint i = 0; i < G_N_ELEMENTS (settings); i++)
+    {
+      g_autoptr(MoeGenerationConfig) cfg = moe_generation_config_new ();
+      g_autoptr(GError) error = NULL;
+      g_autoptr(MoeTensor) a = NULL, b = NULL, c = NULL;
+
+      g_object_set (cfg, "max-new-tokens", 12, "do-sample", TRUE, "temperature", settings[i].temperature,
+                    "top-k", settings[i].top_k, "top-p", settings[i].top_p, "seed", (guint64) (42 + i), NULL);
+      a = moe_model_generate (gpu, prompt, cfg, NULL, &error);
+      g_assert_no_error (error);
+      b = moe_model_generate (gpu, prompt, cfg, NULL, &error);
+      g_assert_no_error (error);
+      c = moe_model_generate (cpu, prompt, cfg, NULL, &error);
+      g_assert_no_error (error);
+      moe_test_assert_same_ids (a, b);
+      moe_test_assert_same_ids (a, c);
+      if (settings[i].top_k == 1)
+        moe_test_assert_same_ids (a, generated);
+    }
+}
+
 /* Batched generation with padding: two prompts of different lengths,
  * left-padded, give each prompt's own greedy tokens. */
 static void
@@ -225,6 +264,7 @@ main (int argc, char *argv[])
       g_test_add_data_func (p, moe_test_families[i], test_family_prefill_rows);
     }
   g_test_add_func ("/cuda/model/decode-switch", test_decode_switch);
+  g_test_add_func ("/cuda/model/sampling", test_sampling);
   g_test_add_func ("/cuda/model/padded-batch", test_padded_batch);
   g_test_add_func ("/cuda/model/errors", test_errors);
   return g_test_run ();

@@ -1,0 +1,422 @@
+/* moe-cuda-sampling.cu: do_sample's token choice where the logits are —
+ * libmoe/moe-sampling.c's rule (temperature, top-k, top-p, one draw walked
+ * over the kept tokens in id order) with no sort of the vocabulary: the
+ * k-th best logit is found by a radix select, the few kept tokens are
+ * sorted in shared memory, and with no filter the draw is found by a scan
+ * of the whole row.
+ *
+ * A row is spread over a cluster of up to 8 blocks on sm_90+ (one block
+ * before): each block takes a slice, each thread a run of consecutive ids
+ * in it, so that sums run in id order a run at a time. The weights are
+ * float32 exponentials summed in float64 (the host's are float64
+ * throughout): a token differs from the host's only where the draw falls
+ * within rounding of a boundary between two tokens.
+ *
+ * SPDX-License-Identifier: LGPL-2.1-or-later
+ */
+#include "moe-cuda-decoder.h"
+#include "moe-cuda-elements.cuh"
+
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <climits>
+
+namespace {
+
+constexpr int THREADS = MOE_CUDA_SAMPLE_MAX_KEPT;   /* a block's; one kept token a thread */
+constexpr int MAX_CLUSTER = 8;                      /* the portable cluster size */
+constexpr int BLOCK_LOGITS = 16384;                 /* a row spreads over a cluster past this */
+
+/* The blocks that share a row: a cluster on sm_90+, else one block */
+struct Group {
+  int size, rank;
+
+  __device__ void
+  sync () const
+  {
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (size > 1)
+      {
+        cooperative_groups::this_cluster ().sync ();
+        return;
+      }
+#endif
+    __syncthreads ();
+  }
+
+  /* @p's twin in block @r's shared memory */
+  template <typename T>
+  __device__ T *
+  at (T *p, int r) const
+  {
+#if defined (__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (size > 1)
+      return cooperative_groups::this_cluster ().map_shared_rank (p, r);
+#endif
+    (void) r;
+    return p;
+  }
+};
+
+/* a float's bits as an unsigned integer in the floats' order */
+__device__ __forceinline__ unsigned
+order_key (float x)
+{
+  unsigned b = __float_as_uint (x);
+  return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+
+__device__ __forceinline__ float
+key_value (unsigned k)
+{
+  return __uint_as_float (k & 0x80000000u ? k & 0x7fffffffu : ~k);
+}
+
+template <typename T>
+__device__ __forceinline__ T
+warp_inclusive (T v)
+{
+  const int lane = threadIdx.x % 32;
+
+  for (int o = 1; o < 32; o <<= 1)
+    {
+      T u = __shfl_up_sync (0xffffffffu, v, o);
+      if (lane >= o)
+        v += u;
+    }
+  return v;
+}
+
+/* The sum of the block's @v before this thread's, and all of them in
+ * @total (blocks of THREADS threads) */
+template <typename T>
+__device__ T
+block_exclusive (T v, T &total)
+{
+  __shared__ T part[32];
+  __shared__ T sum;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  T inc = warp_inclusive (v), ex = __shfl_up_sync (0xffffffffu, inc, 1);
+
+  if (lane == 31)
+    part[warp] = inc;
+  __syncthreads ();
+  if (warp == 0)
+    {
+      T p = part[lane], pi = warp_inclusive (p), pe = __shfl_up_sync (0xffffffffu, pi, 1);
+      part[lane] = lane > 0 ? pe : T (0);
+      if (lane == 31)
+        sum = pi;
+    }
+  __syncthreads ();
+  ex = part[warp] + (lane > 0 ? ex : T (0));
+  total = sum;
+  __syncthreads ();
+  return ex;
+}
+
+__device__ float
+block_max (float v)
+{
+  __shared__ float part[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+
+  for (int o = 16; o > 0; o >>= 1)
+    v = fmaxf (v, __shfl_xor_sync (0xffffffffu, v, o));
+  if (lane == 0)
+    part[warp] = v;
+  __syncthreads ();
+  v = part[lane];
+  for (int o = 16; o > 0; o >>= 1)
+    v = fmaxf (v, __shfl_xor_sync (0xffffffffu, v, o));
+  __syncthreads ();
+  return v;
+}
+
+/* @a's first @n values (one a thread) sorted largest first, bitonically
+ * (the rest of the next power of two padded with 0) */
+__device__ void
+block_sort_descending (unsigned long long *a, int n)
+{
+  int p = 1;
+
+  while (p < n)
+    p <<= 1;
+  if ((int) threadIdx.x < p && (int) threadIdx.x >= n)
+    a[threadIdx.x] = 0;
+  __syncthreads ();
+  for (int k = 2; k <= p; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1)
+      {
+        const int i = threadIdx.x, l = i ^ j;
+        if (i < p && l > i)
+          {
+            unsigned long long x = a[i], y = a[l];
+            if ((i & k) == 0 ? x < y : x > y)
+              a[i] = y, a[l] = x;
+          }
+        __syncthreads ();
+      }
+}
+
+/* The first thread (of those with @w > 0) whose run ends past @r — where
+ * the draw falls — or, should rounding leave none, the last with w > 0 */
+__device__ int
+block_pick (double ex, double w, double r)
+{
+  __shared__ int first, last;
+
+  if (threadIdx.x == 0)
+    first = INT_MAX, last = -1;
+  __syncthreads ();
+  if (w > 0)
+    {
+      if (ex + w > r)
+        atomicMin (&first, (int) threadIdx.x);
+      atomicMax (&last, (int) threadIdx.x);
+    }
+  __syncthreads ();
+  int pick = first != INT_MAX ? first : last;
+  __syncthreads ();
+  return pick;
+}
+
+__global__ void __launch_bounds__ (THREADS)
+sample_kernel (MoeCudaSampling s, int group_size)
+{
+  __shared__ unsigned hist[2][256], counts[256];
+  __shared__ unsigned long long kept[THREADS];   /* the candidates, in the group's first block */
+  __shared__ float part_max;                     /* this block's, read by the group */
+  __shared__ double part_sum;
+  __shared__ unsigned long long part_count;
+  __shared__ unsigned digit, digit_need;
+  const Group g = { group_size, (int) (blockIdx.x % group_size) };
+  const int row = blockIdx.x / group_size, tid = threadIdx.x;
+  const bool top_k = s.top_k > 0 && s.top_k < s.n, top_p = s.top_p < 1.0;
+
+  pdl_begin ();
+  const double u = s.draws[row];
+  /* (each return before the group's first sync is the whole group's) */
+  if (u < 0 || (top_k && s.top_k > THREADS))
+    {
+      /* not sampled, or more kept tokens than threads: the host's */
+      if (g.rank == 0 && tid == 0)
+        s.out[row] = -1;
+      return;
+    }
+  const float *x = s.logits + (size_t) row * s.n;
+  const int slice = (s.n + g.size - 1) / g.size, end = std::min ((g.rank + 1) * slice, s.n);
+  const int per = (slice + THREADS - 1) / THREADS, lo = g.rank * slice + tid * per, hi = std::min (lo + per, end);
+  const float T = s.temperature;
+
+  /* the largest logit, and each token's weight exp (l/T − max/T) */
+  float m = -INFINITY;
+  for (int i = lo; i < hi; i++)
+    m = fmaxf (m, x[i]);
+  m = block_max (m);
+  if (tid == 0)
+    part_max = m;
+  g.sync ();
+  for (int r = 0; r < g.size; r++)
+    m = fmaxf (m, *g.at (&part_max, r));
+  const float top = m / T;
+  auto weight = [&] (float l) { return (double) expf (l / T - top); };
+
+  /* with no top-k, the row's sum of weights: a run's, the block's, the
+   * blocks' before this one and all, added in that order */
+  double total = 0, run = 0, run_before = 0, block_total = 0, before = 0;
+  if (!top_k)
+    {
+      for (int i = lo; i < hi; i++)
+        run += weight (x[i]);
+      run_before = block_exclusive (run, block_total);
+      if (tid == 0)
+        part_sum = block_total;
+      g.sync ();
+      for (int r = 0; r < g.size; r++)
+        {
+          double t = *g.at (&part_sum, r);
+          if (r < g.rank)
+            before += t;
+          total += t;
+        }
+    }
+
+  if (!top_k && !top_p)
+    {
+      /* no filter: the draw walks the whole row in id order, to the block
+       * whose share holds it, that block's run, that run's token */
+      const double r = u * total;
+      g.sync ();   /* every block has read the others' sums */
+      if (!(r < total))
+        {
+          /* r rounded up to the total (or no weights): the last token */
+          if (g.rank == g.size - 1 && tid == 0)
+            s.out[row] = s.n - 1;
+          return;
+        }
+      if (!(before <= r && r < before + block_total))
+        return;
+      const double rb = r - before;
+      if (tid != block_pick (run_before, run, rb))
+        return;
+      double acc = run_before;
+      int last = lo;
+      for (int i = lo; i < hi; i++)
+        {
+          double w = weight (x[i]);
+          acc += w;
+          if (rb < acc)
+            {
+              s.out[row] = i;
+              return;
+            }
+          if (w > 0)
+            last = i;
+        }
+      s.out[row] = last;
+      return;
+    }
+
+  /* the m best tokens (ties in id order): the k, or with top-p alone as
+   * many as the threads (where they hold top_p of the probability) */
+  const unsigned want = top_k ? s.top_k : (s.n < THREADS ? s.n : THREADS);
+  unsigned prefix = 0, need = want;
+  for (int d = 0; d < 4; d++)
+    {
+      /* radix select, 8 bits a round from the top: how many tokens of the
+       * keys that start as the m-th best's does so far have each next
+       * digit */
+      const int shift = 24 - 8 * d;
+      const unsigned same_top = d == 0 ? 0u : ~0u << (shift + 8);
+      unsigned *h = hist[d & 1];   /* (two: the group reads one while the next fills) */
+
+      if (tid < 256)
+        h[tid] = 0;
+      __syncthreads ();
+      for (int j = 0; j < per; j++)
+        {
+          const int i = lo + j;
+          const unsigned k = i < hi ? order_key (x[i]) : 0;
+          const bool in = i < hi && ((k ^ prefix) & same_top) == 0;
+          const unsigned b = in ? (k >> shift) & 255u : 256u;
+          const unsigned alike = __match_any_sync (0xffffffffu, b);
+          if (in && tid % 32 == __ffs (alike) - 1)
+            atomicAdd (&h[b], __popc (alike));
+        }
+      g.sync ();
+      if (tid < 256)
+        {
+          unsigned c = 0;
+          for (int r = 0; r < g.size; r++)
+            c += g.at (h, r)[tid];
+          counts[tid] = c;
+        }
+      __syncthreads ();
+      if (tid < 32)
+        {
+          /* lane l holds digits 255 − 8l down to 248 − 8l */
+          unsigned c[8], sum = 0;
+          for (int q = 0; q < 8; q++)
+            sum += c[q] = counts[255 - 8 * tid - q];
+          const unsigned inc = warp_inclusive (sum);
+          unsigned acc = inc - sum;
+          if (acc < need && need <= inc)
+            for (int q = 0; q < 8; q++)
+              {
+                if (acc + c[q] >= need)
+                  {
+                    digit = 255 - 8 * tid - q;
+                    digit_need = need - acc;
+                    break;
+                  }
+                acc += c[q];
+              }
+        }
+      __syncthreads ();
+      prefix |= digit << shift;
+      need = digit_need;
+    }
+
+  /* the candidates, into the first block: those above the m-th best's
+   * key, and of those equal to it the first `need` in id order; each as
+   * (key, ~id): largest first is best first */
+  {
+    const unsigned above = want - need;
+    unsigned a = 0, e = 0;
+    for (int i = lo; i < hi; i++)
+      {
+        const unsigned k = order_key (x[i]);
+        a += k > prefix;
+        e += k == prefix;
+      }
+    unsigned long long block_count, at = block_exclusive ((unsigned long long) a << 32 | e, block_count);
+    if (tid == 0)
+      part_count = block_count;
+    g.sync ();
+    for (int r = 0; r < g.rank; r++)
+      at += *g.at (&part_count, r);
+    unsigned long long *dst = g.at (kept, 0);
+    unsigned a_at = (unsigned) (at >> 32), e_at = (unsigned) at;
+    for (int i = lo; i < hi; i++)
+      {
+        const unsigned k = order_key (x[i]);
+        const unsigned long long c = (unsigned long long) k << 32 | ~(unsigned) i;
+        if (k > prefix)
+          dst[a_at++] = c;
+        else if (k == prefix && e_at < need)
+          dst[above + e_at++] = c;
+      }
+    g.sync ();
+  }
+  if (g.rank != 0)
+    return;
+
+  /* best first; top-p keeps the fewest that hold top_p of the probability
+   * (over the k with top-k, else over the vocabulary) */
+  int n = (int) want;
+  block_sort_descending (kept, n);
+  if (top_p)
+    {
+      const double w = tid < n ? weight (key_value ((unsigned) (kept[tid] >> 32))) : 0.0;
+      double sum, ex = block_exclusive (w, sum);
+      __shared__ int cut;
+      if (tid == 0)
+        cut = INT_MAX;
+      __syncthreads ();
+      if (tid < n && (ex + w) / (top_k ? sum : total) >= s.top_p)
+        atomicMin (&cut, tid);
+      __syncthreads ();
+      if (cut == INT_MAX && !top_k && n < s.n)
+        {
+          /* more than the threads hold top_p: the host's */
+          if (tid == 0)
+            s.out[row] = -1;
+          return;
+        }
+      n = cut == INT_MAX ? n : cut + 1;
+      __syncthreads ();
+    }
+
+  /* the draw over the kept tokens in id order: (~id, key), largest first */
+  if (tid < n)
+    kept[tid] = kept[tid] << 32 | kept[tid] >> 32;
+  __syncthreads ();
+  block_sort_descending (kept, n);
+  const double w = tid < n ? weight (key_value ((unsigned) kept[tid])) : 0.0;
+  double sum, ex = block_exclusive (w, sum);
+  const int pick = block_pick (ex, w, u * sum);
+  if (tid == (pick >= 0 ? pick : n - 1))
+    s.out[row] = ~(unsigned) (kept[tid] >> 32);
+}
+
+} /* namespace */
+
+extern "C" void
+moe_cuda_sample (const MoeCudaSampling *s, cudaStream_t stream)
+{
+  const int group = device_cc () >= 90 ? std::clamp ((s->n + BLOCK_LOGITS - 1) / BLOCK_LOGITS, 1, MAX_CLUSTER) : 1;
+
+  launch_overlapped_clusters (sample_kernel, s->rows * group, THREADS, group, 0, stream, *s, group);
+}
