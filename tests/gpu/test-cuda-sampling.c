@@ -86,10 +86,12 @@ test_vocabulary (gconstpointer data)
   gint64 *out_dev;
   guint compared = 0, left = 0;
 
-  /* sharp, flat and tied rows in turn */
+  /* sharp, flat, tied and very sharp rows in turn (where a top-p alone
+   * is held by few tokens of a large vocabulary) */
   for (guint r = 0; r < B; r++)
     {
-      g_autofree float *row = moe_test_random_logits (rand, V, r % 3 == 1 ? 0.5 : 3.0, r % 3 == 2 ? 4 : 0);
+      static const double spread[4] = { 3.0, 0.5, 3.0, 10.0 };
+      g_autofree float *row = moe_test_random_logits (rand, V, spread[r % 4], r % 4 == 2 ? 4 : 0);
       memcpy (x + (gsize) r * V, row, V * sizeof (float));
     }
   x_dev = moe_test_to_device (x, (gsize) B * V * sizeof (float));
