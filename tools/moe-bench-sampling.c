@@ -34,6 +34,7 @@ static const struct {
   { "no filter", 1.0, 1.0, 0 },
   { "top-k 20, top-p 0.8, temperature 0.7 (Qwen's)", 0.7, 0.8, 20 },
   { "top-p 0.9, temperature 0.7", 0.7, 0.9, 0 },
+  { "top-p 0.95, temperature 2 (flat: most tokens kept)", 2.0, 0.95, 0 },
 };
 
 static int
