@@ -126,8 +126,9 @@ typedef struct {
   gint64       *tokens;        /* or NULL; with last_only: [B], each row's next token, the logits
                                 * left on the device: greedy (the first index of its largest
                                 * logit), or sampled as @sampling says */
-  const MoeSampling *sampling; /* with @tokens: do_sample's (NULL: greedy); a row the device
-                                * does not sample gets token -1 and its logits in @logits */
+  const MoeSampling *sampling; /* with @tokens: do_sample's (NULL: greedy); a row with a draw
+                                * that the device leaves to the host gets token -1 and its
+                                * logits in @logits (a row with no draw: no token) */
 } MoeDecoderStep;
 
 MoeTransformer *_moe_transformer_new          (MoeConfig      *config,
@@ -165,8 +166,8 @@ guint           _moe_kv_cache_get_length      (MoeKvCache     *cache);
  * all). Writes logits [B, T, V] into @logits, or only the last position's
  * [B, V] when @last_only; or, with @last_only and @tokens set, only each
  * sequence's next token into @tokens — greedy (its logits' first argmax),
- * or with @sampling drawn as _moe_sample_tokens () does (rows with no draw
- * left alone): a device computes it where its logits are and leaves
+ * or with @sampling drawn as _moe_sample_tokens () does (a row with no
+ * draw gets no token): a device computes it where its logits are and leaves
  * @logits unwritten, the host path computes the logits into @logits
  * first. */
 gboolean        _moe_transformer_forward      (MoeTransformer *self,
