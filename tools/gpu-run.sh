@@ -89,8 +89,9 @@
 #                                   through the layer (T / median call time)
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts,
-#                                   test-cuda-model, test-cuda-attention or
-#                                   test-cuda-rope) under compute-sanitizer
+#                                   test-cuda-model, test-cuda-attention,
+#                                   test-cuda-rope or test-cuda-sampling)
+#                                   under compute-sanitizer
 #                                   --tool TOOL (memcheck, racecheck, …)
 #
 # The machine has CUDA and cuBLAS but no GLib: the bundle carries GLib.
