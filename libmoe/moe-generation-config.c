@@ -21,7 +21,11 @@
  * ]|
  *
  * Greedy decoding unless `do-sample`; sampling applies `temperature`, then
- * `top-k`, then `top-p`, drawing from a generator seeded with `seed`.
+ * `top-k`, then `top-p`, and draws one number a sequence and step from a
+ * generator seeded with `seed`, walked over the kept tokens' probabilities
+ * in id order (as `torch.multinomial` over transformers' masked ones): the
+ * same seed gives the same tokens on the CPU and on a GPU, up to the
+ * rounding of their logits.
  */
 struct _MoeGenerationConfig
 {
