@@ -1562,13 +1562,17 @@ _moe_transformer_forward (MoeTransformer *m,
       cache->length += n_tokens;
       if (step.sampling != NULL)
         {
-          /* the rows the device left to the host, with their logits */
+          /* the rows the device left to the host (token -1), sampled
+           * here from the logits it sent back (rows with no draw keep -1) */
           g_autofree double *draws = g_new (double, batch);
           MoeSampling rest = *sampling;
           gboolean any = FALSE;
 
           for (guint b = 0; b < batch; b++)
-            any |= (draws[b] = sampling->draws[b] >= 0 && tokens[b] < 0 ? sampling->draws[b] : -1.0) >= 0;
+            {
+              draws[b] = tokens[b] < 0 ? sampling->draws[b] : -1.0;
+              any |= draws[b] >= 0;
+            }
           rest.draws = draws;
           if (any)
             _moe_sample_tokens (logits, batch, m->vocab, &rest, tokens);

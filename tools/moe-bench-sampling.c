@@ -85,6 +85,8 @@ main (int argc, char *argv[])
       {
         guint B = (guint) atoi (batches[i]);
         g_autofree gint64 *tokens = g_new (gint64, MAX (B, 1));
+        g_autofree double *draws = g_new (double, MAX (B, 1));
+        const MoeSampling s = { filters[f].temperature, filters[f].top_k, filters[f].top_p, draws };
         double ms[2][64];
 
         if (B == 0)
@@ -101,9 +103,6 @@ main (int argc, char *argv[])
                                                  filters[f].top_p, rng);
               else
                 {
-                  g_autofree double *draws = g_new (double, B);
-                  const MoeSampling s = { filters[f].temperature, filters[f].top_k, filters[f].top_p, draws };
-
                   _moe_sample_draws (rng, B, NULL, draws);
                   _moe_sample_tokens (x, B, V, &s, tokens);
                 }
