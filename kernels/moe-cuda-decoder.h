@@ -229,9 +229,8 @@ void moe_cuda_argmax         (const float *x, int rows, int n, int64_t *out, cud
  * drawn with draws[r] as libmoe/moe-sampling.c draws it — the logits over
  * @temperature, the @top_k best, the fewest of those that hold @top_p of
  * their probability, the draw walked over the kept tokens in id order —
- * into out[r]; -1 where the row has no draw (negative) or keeps more than
- * MOE_CUDA_SAMPLE_MAX_KEPT tokens (a top-k past it, or a top-p alone whose
- * best MOE_CUDA_SAMPLE_MAX_KEPT do not hold it): the host samples those */
+ * into out[r]; -1 where the row has no draw (negative) or a top-k past
+ * MOE_CUDA_SAMPLE_MAX_KEPT: the host samples those */
 #define MOE_CUDA_SAMPLE_MAX_KEPT 1024
 typedef struct {
   const float *logits;    /* [rows, n] */

@@ -2,8 +2,9 @@
  * libmoe/moe-sampling.c's rule (temperature, top-k, top-p, one draw walked
  * over the kept tokens in id order) with no sort of the vocabulary: the
  * k-th best logit is found by a radix select, the few kept tokens are
- * sorted in shared memory, and with no filter the draw is found by a scan
- * of the whole row.
+ * sorted in shared memory; a top-p alone's cut is found by a radix select
+ * over the weights; and with no filter or a top-p alone the draw is found
+ * by a scan of the row in id order.
  *
  * A row is spread over a cluster of up to 8 blocks on sm_90+ (one block
  * before): each block takes a slice, each thread a run of consecutive ids
@@ -191,6 +192,12 @@ sample_kernel (MoeCudaSampling s, int group_size)
   __shared__ double part_sum;
   __shared__ unsigned long long part_count;
   __shared__ unsigned digit, digit_need;
+  __shared__ double walk_sum, part_tie, digit_above;
+  __shared__ int walk_last, cut_first, cut_last;
+  __shared__ struct {
+    double warp[32][64], stage[32][32], block[2][64], total[64];
+    unsigned warp_count[32][64], block_count[2][64], total_count[64];
+  } mass;                                        /* top-p alone's radix select */
   const Group g = { group_size, (int) (blockIdx.x % group_size) };
   const int row = blockIdx.x / group_size, tid = threadIdx.x;
   const bool top_k = s.top_k > 0 && s.top_k < s.n, top_p = s.top_p < 1.0;
@@ -223,47 +230,60 @@ sample_kernel (MoeCudaSampling s, int group_size)
   const float top = m / T;
   auto weight = [&] (float l) { return (double) expf (l / T - top); };
 
-  /* with no top-k, the row's sum of weights: a run's, the block's, the
-   * blocks' before this one and all, added in that order */
-  double total = 0, run = 0, run_before = 0, block_total = 0, before = 0;
-  if (!top_k)
-    {
-      for (int i = lo; i < hi; i++)
+  /* The draw over the tokens kept (i) keeps, walked in id order: to the
+   * block whose share holds it, that block's run, that run's token; the
+   * sums of their weights run by run, block by block, the blocks' before
+   * this one and all, added in that order. */
+  auto walk = [&] (auto kept) {
+    double run = 0, block_total, before = 0, total = 0;
+    for (int i = lo; i < hi; i++)
+      if (kept (i))
         run += weight (x[i]);
-      run_before = block_exclusive (run, block_total);
-      if (tid == 0)
-        part_sum = block_total;
-      g.sync ();
-      for (int r = 0; r < g.size; r++)
-        {
-          double t = *g.at (&part_sum, r);
-          if (r < g.rank)
-            before += t;
-          total += t;
-        }
-    }
-
-  if (!top_k && !top_p)
-    {
-      /* no filter: the draw walks the whole row in id order, to the block
-       * whose share holds it, that block's run, that run's token */
-      const double r = u * total;
-      g.sync ();   /* every block has read the others' sums */
-      if (!(r < total))
-        {
-          /* r rounded up to the total (or no weights): the last token */
-          if (g.rank == g.size - 1 && tid == 0)
-            s.out[row] = s.n - 1;
-          return;
-        }
-      if (!(before <= r && r < before + block_total))
+    const double run_before = block_exclusive (run, block_total);
+    if (tid == 0)
+      walk_sum = block_total;
+    g.sync ();
+    for (int r = 0; r < g.size; r++)
+      {
+        double t = *g.at (&walk_sum, r);
+        if (r < g.rank)
+          before += t;
+        total += t;
+      }
+    const double r = u * total;
+    if (!(r < total))
+      {
+        /* r rounded up to the total (or no weights): the last kept token */
+        if (tid == 0)
+          walk_last = -1;
+        __syncthreads ();
+        for (int i = hi - 1; i >= lo; i--)
+          if (kept (i))
+            {
+              atomicMax (&walk_last, i);
+              break;
+            }
+        g.sync ();
+        if (g.rank == 0 && tid == 0)
+          {
+            int last = -1;
+            for (int b = 0; b < g.size; b++)
+              last = max (last, *g.at (&walk_last, b));
+            s.out[row] = last >= 0 ? last : s.n - 1;
+          }
+        g.sync ();   /* every block's walk_last read */
         return;
-      const double rb = r - before;
-      if (tid != block_pick (run_before, run, rb))
-        return;
-      double acc = run_before;
-      int last = lo;
-      for (int i = lo; i < hi; i++)
+      }
+    g.sync ();   /* every block has read the others' sums */
+    if (!(before <= r && r < before + block_total))
+      return;
+    const double rb = r - before;
+    if (tid != block_pick (run_before, run, rb))
+      return;
+    double acc = run_before;
+    int last = lo;
+    for (int i = lo; i < hi; i++)
+      if (kept (i))
         {
           double w = weight (x[i]);
           acc += w;
@@ -275,13 +295,162 @@ sample_kernel (MoeCudaSampling s, int group_size)
           if (w > 0)
             last = i;
         }
-      s.out[row] = last;
+    s.out[row] = last;
+  };
+
+  if (!top_k && !top_p)
+    {
+      walk ([] (int) { return true; });
       return;
     }
 
-  /* the m best tokens (ties in id order): the k, or with top-p alone as
-   * many as the threads (where they hold top_p of the probability) */
-  const unsigned want = top_k ? s.top_k : (s.n < THREADS ? s.n : THREADS);
+  if (!top_k)
+    {
+      /* top-p alone: the fewest best tokens that hold top_p of the row's
+       * weight M — its key by a radix select over the weights (6 bits a
+       * round from the top: the weight of each next digit among the keys
+       * that start as the cut's), then, of the tokens with that key, the
+       * first in id order where the weight reaches M — and the draw over
+       * them in id order */
+      double total = 0, above = 0, block_total;
+      unsigned prefix = 0;
+      {
+        double run = 0;
+        for (int i = lo; i < hi; i++)
+          run += weight (x[i]);
+        block_exclusive (run, block_total);
+        if (tid == 0)
+          part_sum = block_total;
+        g.sync ();
+        for (int r = 0; r < g.size; r++)
+          total += *g.at (&part_sum, r);
+      }
+      const double M = s.top_p * total;
+      const int lane = tid % 32, warp = tid / 32;
+      for (int d = 0; d < 6; d++)
+        {
+          const int width = d < 5 ? 6 : 2, shift = d < 5 ? 26 - 6 * d : 0;
+          const unsigned same_top = d == 0 ? 0u : ~0u << (shift + width);
+          double *bm = mass.block[d & 1];
+          unsigned *bc = mass.block_count[d & 1];
+
+          /* each warp's own histogram, each digit's weights added by the
+           * first lane that has it, in lane order: no atomics */
+          mass.warp[warp][lane] = mass.warp[warp][lane + 32] = 0;
+          mass.warp_count[warp][lane] = mass.warp_count[warp][lane + 32] = 0;
+          __syncwarp ();
+          for (int j = 0; j < per; j++)
+            {
+              const int i = lo + j;
+              const unsigned k = i < hi ? order_key (x[i]) : 0;
+              const bool in = i < hi && ((k ^ prefix) & same_top) == 0;
+              const unsigned b = in ? (k >> shift) & ((1u << width) - 1) : 64u;
+              mass.stage[warp][lane] = in ? weight (x[i]) : 0.0;
+              const unsigned alike = __match_any_sync (0xffffffffu, b);
+              __syncwarp ();
+              if (in && lane == __ffs (alike) - 1)
+                {
+                  double sum = 0;
+                  for (unsigned a = alike; a != 0; a &= a - 1)
+                    sum += mass.stage[warp][__ffs (a) - 1];
+                  mass.warp[warp][b] += sum;
+                  mass.warp_count[warp][b] += __popc (alike);
+                }
+              __syncwarp ();
+            }
+          __syncthreads ();
+          if (tid < 64)
+            {
+              double m_ = 0;
+              unsigned c_ = 0;
+              for (int w = 0; w < 32; w++)
+                m_ += mass.warp[w][tid], c_ += mass.warp_count[w][tid];
+              bm[tid] = m_, bc[tid] = c_;
+            }
+          g.sync ();
+          if (tid < 64)
+            {
+              double m_ = 0;
+              unsigned c_ = 0;
+              for (int r = 0; r < g.size; r++)
+                m_ += g.at (bm, r)[tid], c_ += g.at (bc, r)[tid];
+              mass.total[tid] = m_, mass.total_count[tid] = c_;
+            }
+          __syncthreads ();
+          if (warp == 0)
+            {
+              /* lane l holds digits 63 − 2l and 62 − 2l: the first (from
+               * the top) where the weight reaches M; should rounding leave
+               * none, the last with tokens */
+              const int b0 = 63 - 2 * lane, b1 = b0 - 1;
+              const double m0 = mass.total[b0], m1 = mass.total[b1];
+              const unsigned c0 = mass.total_count[b0], c1 = mass.total_count[b1];
+              const double inc = warp_inclusive (m0 + m1), up = __shfl_up_sync (0xffffffffu, inc, 1);
+              const double ex = lane > 0 ? up : 0.0;
+              const bool hit0 = c0 > 0 && above + (ex + m0) >= M, hit1 = c1 > 0 && above + ((ex + m0) + m1) >= M;
+              const unsigned hits = __ballot_sync (0xffffffffu, hit0 || hit1);
+              const unsigned any = __ballot_sync (0xffffffffu, c0 > 0 || c1 > 0);
+              const int at = hits != 0 ? __ffs (hits) - 1 : 31 - __clz (any);
+              if (lane == at)
+                {
+                  const bool first = hits != 0 ? hit0 : c1 == 0;
+                  digit = first ? b0 : b1;
+                  digit_above = above + (first ? ex : ex + m0);
+                }
+            }
+          __syncthreads ();
+          prefix |= digit << shift;
+          above = digit_above;
+        }
+
+      /* of the tokens with the cut's key, the first in id order where the
+       * weight reaches M (or the last of them) */
+      {
+        double run = 0, acc, tie_total, tie_before = 0;
+        for (int i = lo; i < hi; i++)
+          if (order_key (x[i]) == prefix)
+            run += weight (x[i]);
+        acc = block_exclusive (run, tie_total);
+        if (tid == 0)
+          {
+            part_tie = tie_total;
+            cut_first = INT_MAX, cut_last = -1;
+          }
+        g.sync ();
+        for (int r = 0; r < g.rank; r++)
+          tie_before += *g.at (&part_tie, r);
+        acc += tie_before;
+        for (int i = lo; i < hi; i++)
+          if (order_key (x[i]) == prefix)
+            {
+              acc += weight (x[i]);
+              if (above + acc >= M)
+                {
+                  atomicMin (&cut_first, i);
+                  break;
+                }
+            }
+        for (int i = hi - 1; i >= lo; i--)
+          if (order_key (x[i]) == prefix)
+            {
+              atomicMax (&cut_last, i);
+              break;
+            }
+        g.sync ();
+        int first = INT_MAX, last = -1;
+        for (int r = 0; r < g.size; r++)
+          first = min (first, *g.at (&cut_first, r)), last = max (last, *g.at (&cut_last, r));
+        const int cut = first != INT_MAX ? first : last;
+        walk ([&] (int i) {
+          const unsigned k = order_key (x[i]);
+          return k > prefix || (k == prefix && i <= cut);
+        });
+      }
+      return;
+    }
+
+  /* top-k: the k best tokens (ties in id order) */
+  const unsigned want = s.top_k;
   unsigned prefix = 0, need = want;
   for (int d = 0; d < 4; d++)
     {
@@ -373,8 +542,8 @@ sample_kernel (MoeCudaSampling s, int group_size)
   if (g.rank != 0)
     return;
 
-  /* best first; top-p keeps the fewest that hold top_p of the probability
-   * (over the k with top-k, else over the vocabulary) */
+  /* best first; top-p keeps the fewest that hold top_p of the k's
+   * probability */
   int n = (int) want;
   block_sort_descending (kept, n);
   if (top_p)
@@ -385,16 +554,9 @@ sample_kernel (MoeCudaSampling s, int group_size)
       if (tid == 0)
         cut = INT_MAX;
       __syncthreads ();
-      if (tid < n && (ex + w) / (top_k ? sum : total) >= s.top_p)
+      if (tid < n && (ex + w) / sum >= s.top_p)
         atomicMin (&cut, tid);
       __syncthreads ();
-      if (cut == INT_MAX && !top_k && n < s.n)
-        {
-          /* more than the threads hold top_p: the host's */
-          if (tid == 0)
-            s.out[row] = -1;
-          return;
-        }
       n = cut == INT_MAX ? n : cut + 1;
       __syncthreads ();
     }
