@@ -812,13 +812,20 @@ tma_n_tiles (const MoeCudaExperts &p, int mode)
   return mode == MODE_GATE_UP ? (p.inter + outs - 1) / outs : (p.hidden + C::BN - 1) / C::BN;
 }
 
-/* The operand bytes one m-tile of shape C loads from L2, gate/up and down
- * together (route's TileChoice): a cluster's CTAs share the weight tile */
+/* What one m-tile of shape C costs, gate/up and down together (route's
+ * TileChoice): the operand bytes it loads from L2, rows and weights, where
+ * a CTA of a pair, which loads half the weight tile, counts 2/3 of it. A
+ * pair's m-tile takes longer than its bytes say (its CTAs keep each
+ * other's pace): on an H100 the pairs' wide tile was 13% faster than the
+ * single one at 256 rows an expert (Qwen3-30B-A3B's layer, 4096 tokens)
+ * but 4% slower than the tall tile at 273 (Qwen1.5-MoE's, 4096), where
+ * counting the half alone chose them; 2/3 picks the faster in both. */
 template <typename C>
 long long
-tma_m_tile_bytes (const MoeCudaExperts &p)
+tma_m_tile_cost (const MoeCudaExperts &p)
 {
-  return (long long) (C::BM + C::BN / C::CLUSTER) * WG_ROW_BYTES *
+  const int weights = C::CLUSTER > 1 ? C::BN * 2 / 3 : C::BN;
+  return (long long) (C::BM + weights) * WG_ROW_BYTES *
          ((long long) tma_n_tiles<C> (p, MODE_GATE_UP) * p.hidden + (long long) tma_n_tiles<C> (p, MODE_DOWN) * p.inter);
 }
 
@@ -867,7 +874,7 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
   static_assert (!GATHER || !FP8, "gate/up gathers 16-bit x");
   constexpr bool two = !std::is_same<C, D>::value;
   const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
-  const TileChoice choice = { two ? D::BM : 0, tma_m_tile_bytes<C> (p), tma_m_tile_bytes<D> (p), C::CLUSTER, D::CLUSTER };
+  const TileChoice choice = { two ? D::BM : 0, tma_m_tile_cost<C> (p), tma_m_tile_cost<D> (p), C::CLUSTER, D::CLUSTER };
   const void *a;
   const float *as = nullptr;
   const char *msg;
@@ -925,14 +932,16 @@ tma_kernels ()
 }
 
 /* Whether the wide tile takes its form for many rows an expert
- * (TmaWideLarge): from 512 (token, slot) rows an expert on average
- * (Qwen1.5-MoE's layer: slower at 137 rows, 2048 tokens; faster at 1,092,
- * 16384 tokens); FP8 from 256 (H100, Qwen3-30B's layer against 128 × 128:
- * +18% at 512 rows, 8192 tokens; +1.8% at 256 rows, 4096 tokens) */
+ * (TmaWideLarge), route then choosing it or the tall tile: bf16/f16 from
+ * 192 (token, slot) rows an expert on average (below, an expert's second
+ * pair of m-tiles is mostly padding: Qwen1.5-MoE's layer was 11% slower
+ * at 137 rows, 2048 tokens); FP8 from 256 (H100, Qwen3-30B's layer
+ * against 128 × 128: +18% at 512 rows, 8192 tokens; +1.8% at 256 rows,
+ * 4096 tokens) */
 bool
 large_tiles (const MoeCudaExperts &p)
 {
-  const long from = p.weight_format == MOE_CUDA_WEIGHTS_FP8 ? 256 : 512;
+  const long from = p.weight_format == MOE_CUDA_WEIGHTS_FP8 ? 256 : 192;
   return (long) p.tokens * p.top_k >= from * p.num_experts;
 }
 
