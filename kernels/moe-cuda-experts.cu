@@ -814,12 +814,14 @@ tma_n_tiles (const MoeCudaExperts &p, int mode)
 
 /* What one m-tile of shape C costs, gate/up and down together (route's
  * TileChoice): the operand bytes it loads from L2, rows and weights, where
- * a CTA of a pair, which loads half the weight tile, counts 2/3 of it. A
+ * a CTA of a pair, which loads half the weight tile, counts 2/3 of it: a
  * pair's m-tile takes longer than its bytes say (its CTAs keep each
- * other's pace): on an H100 the pairs' wide tile was 13% faster than the
- * single one at 256 rows an expert (Qwen3-30B-A3B's layer, 4096 tokens)
- * but 4% slower than the tall tile at 273 (Qwen1.5-MoE's, 4096), where
- * counting the half alone chose them; 2/3 picks the faster in both. */
+ * other's pace, its padding m-tile too). Counting the half alone chose
+ * the pairs where the tall tile was faster (H100: Qwen1.5-MoE's layer at
+ * 273 and 546 rows an expert, by 4% and 12%); 2/3 picks the tall tile
+ * there and the pairs at 1,092 and from 192 to 410 rows (up to 30% over
+ * the single wide tile), but still the pairs at Qwen3-30B-A3B's 384
+ * (5% slower than the tall tile). */
 template <typename C>
 long long
 tma_m_tile_cost (const MoeCudaExperts &p)
