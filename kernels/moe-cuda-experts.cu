@@ -819,9 +819,10 @@ tma_n_tiles (const MoeCudaExperts &p, int mode)
  * other's pace, its padding m-tile too). Counting the half alone chose
  * the pairs where the tall tile was faster (H100: Qwen1.5-MoE's layer at
  * 273 and 546 rows an expert, by 4% and 12%); 2/3 picks the tall tile
- * there and the pairs at 1,092 and from 192 to 410 rows (up to 30% over
- * the single wide tile), but still the pairs at Qwen3-30B-A3B's 384
- * (5% slower than the tall tile). */
+ * there and the pairs from 192 to 410 rows (6-31% over the single wide
+ * tile), but still the pairs where the tall tile is faster at
+ * Qwen3-30B-A3B's 384 and 512 rows (by 5%, 9%) and Qwen1.5-MoE's 819 and
+ * 1,092 (3%, 1%): BENCHMARKS.md, thirty-fourth session. */
 template <typename C>
 long long
 tma_m_tile_cost (const MoeCudaExperts &p)
@@ -936,8 +937,8 @@ tma_kernels ()
 /* Whether the wide tile takes its form for many rows an expert
  * (TmaWideLarge), route then choosing it or the tall tile: bf16/f16 from
  * 192 (token, slot) rows an expert on average (below, an expert's second
- * pair of m-tiles is mostly padding: Qwen1.5-MoE's layer was 11% slower
- * at 137 rows, 2048 tokens); FP8 from 256 (H100, Qwen3-30B's layer
+ * m-tile of a pair is mostly padding: at 128-137 rows the pairs were 7-9%
+ * slower than the tall tile on the Qwen layers); FP8 from 256 (H100, Qwen3-30B's layer
  * against 128 × 128: +18% at 512 rows, 8192 tokens; +1.8% at 256 rows,
  * 4096 tokens) */
 bool
