@@ -938,9 +938,9 @@ tma_kernels ()
  * (TmaWideLarge), route then choosing it or the tall tile: bf16/f16 from
  * 192 (token, slot) rows an expert on average (below, an expert's second
  * m-tile of a pair is mostly padding: at 128-137 rows the pairs were 7-9%
- * slower than the tall tile on the Qwen layers); FP8 from 256 (H100, Qwen3-30B's layer
- * against 128 × 128: +18% at 512 rows, 8192 tokens; +1.8% at 256 rows,
- * 4096 tokens) */
+ * slower than the tall tile on the Qwen layers); FP8 from 256 (H100,
+ * Qwen3-30B's layer against 128 × 128: +18% at 512 rows, 8192 tokens;
+ * +1.8% at 256 rows, 4096 tokens) */
 bool
 large_tiles (const MoeCudaExperts &p)
 {
