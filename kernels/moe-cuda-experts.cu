@@ -21,6 +21,7 @@
 #include <cuda.h>
 #include <cublas_v2.h>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -812,6 +813,16 @@ tma_n_tiles (const MoeCudaExperts &p, int mode)
   return mode == MODE_GATE_UP ? (p.inter + outs - 1) / outs : (p.hidden + C::BN - 1) / C::BN;
 }
 
+/* MOE_CUDA_TILE=wide, pairs (FP8: the wide tile's large form) or tall
+ * forces the bulk-copy GEMMs' tile shape where route chooses one (Hopper),
+ * for measuring (tools/gpu-run.sh tiles) */
+const char *
+forced_tile ()
+{
+  static const char *tile = getenv ("MOE_CUDA_TILE");
+  return tile;
+}
+
 /* What one m-tile of shape C costs, gate/up and down together (route's
  * TileChoice): the operand bytes it loads from L2, rows and weights, where
  * a CTA of a pair, which loads half the weight tile, counts 2/3 of it: a
@@ -877,7 +888,9 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
   static_assert (!GATHER || !FP8, "gate/up gathers 16-bit x");
   constexpr bool two = !std::is_same<C, D>::value;
   const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
-  const TileChoice choice = { two ? D::BM : 0, tma_m_tile_cost<C> (p), tma_m_tile_cost<D> (p), C::CLUSTER, D::CLUSTER };
+  TileChoice choice = { two ? D::BM : 0, tma_m_tile_cost<C> (p), tma_m_tile_cost<D> (p), C::CLUSTER, D::CLUSTER };
+  if (forced_tile () != nullptr)
+    choice.forced = strcmp (forced_tile (), "tall") == 0 ? 2 : 1;
   const void *a;
   const float *as = nullptr;
   const char *msg;
@@ -944,6 +957,11 @@ tma_kernels ()
 bool
 large_tiles (const MoeCudaExperts &p)
 {
+  if (forced_tile () != nullptr && strcmp (forced_tile (), "wide") == 0)
+    return false;
+  if (forced_tile () != nullptr && strcmp (forced_tile (), "pairs") == 0)
+    return true;
+
   const long from = p.weight_format == MOE_CUDA_WEIGHTS_FP8 ? 256 : 192;
   return (long) p.tokens * p.top_k >= from * p.num_experts;
 }

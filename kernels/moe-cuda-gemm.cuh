@@ -331,6 +331,7 @@ struct TileChoice {
   int bm_b;
   long long cost_a, cost_b;
   int cluster_a = 1, cluster_b = 1;
+  int forced = 0;   /* 1: bm's m-tiles, 2: bm_b's, whatever they cost (MOE_CUDA_TILE) */
 };
 
 /* m-tiles of bm rows for an expert's rows, in multiples of cluster */
@@ -390,7 +391,8 @@ route_layout (const int *counts, int E, int bm, TileChoice choice, Route r, int 
       atomicAdd (&tiles_ab[0], a);
       atomicAdd (&tiles_ab[1], b);
       __syncthreads ();
-      if ((long long) tiles_ab[1] * choice.cost_b < (long long) tiles_ab[0] * choice.cost_a)
+      if (choice.forced == 2 ||
+          (choice.forced == 0 && (long long) tiles_ab[1] * choice.cost_b < (long long) tiles_ab[0] * choice.cost_a))
         bm = choice.bm_b, cluster = choice.cluster_b;
     }
   if (write && tid == 0 && r.tile_bm != nullptr)
