@@ -322,8 +322,8 @@ struct Route {
 };
 
 /* A second m-tile height route may take instead of its bm: the one whose
- * m-tiles (each costing cost_a for bm's, cost_b for bm_b's: about their
- * operand bytes, tma_m_tile_cost) cost less in all, with the rows each
+ * m-tiles (each costing cost_a for bm's, cost_b for bm_b's: their operand
+ * bytes and products, tma_m_tile_cost) cost less in all, with the rows each
  * expert really got. An expert's m-tiles are counted in multiples of the
  * GEMM's cluster size (cluster_a for bm's, cluster_b for bm_b's): the CTAs
  * of a cluster take m-tiles of one expert. */
