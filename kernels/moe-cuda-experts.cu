@@ -952,11 +952,12 @@ tma_kernels ()
 }
 
 /* Whether the wide tile takes its form for many rows an expert
- * (TmaWideLarge), route then choosing it or the tall tile: from 128
- * (token, slot) rows an expert on average (H100: bf16's single wide tile
+ * (TmaWideLarge), route then choosing it or the tall tile: bf16/f16 from
+ * 128 (token, slot) rows an expert on average (H100: the single wide tile
  * was the slowest of the three at every point from 128 rows up, by 6-42%
- * against the pairs; FP8's 128 × 192 was within 2% of its 128 × 128 or
- * faster, by up to 9%: BENCHMARKS.md, thirty-fifth session) */
+ * against the pairs); FP8 from 256: its 128 × 192 was up to 9% faster
+ * than its 128 × 128 from 256 rows on the Qwen layers, but 8.6% slower
+ * on DeepSeek-V3's at 128 (BENCHMARKS.md, thirty-fifth session) */
 bool
 large_tiles (const MoeCudaExperts &p)
 {
@@ -965,7 +966,8 @@ large_tiles (const MoeCudaExperts &p)
   if (forced_tile () != nullptr && strcmp (forced_tile (), "pairs") == 0)
     return true;
 
-  return (long) p.tokens * p.top_k >= 128L * p.num_experts;
+  const long from = p.weight_format == MOE_CUDA_WEIGHTS_FP8 ? 256 : 128;
+  return (long) p.tokens * p.top_k >= from * p.num_experts;
 }
 
 /* The wide tile or the tall one, route's choice; GATHER: gate/up gathers
