@@ -21,6 +21,7 @@
 #include <cuda.h>
 #include <cublas_v2.h>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -812,23 +813,37 @@ tma_n_tiles (const MoeCudaExperts &p, int mode)
   return mode == MODE_GATE_UP ? (p.inter + outs - 1) / outs : (p.hidden + C::BN - 1) / C::BN;
 }
 
+/* MOE_CUDA_TILE=wide, pairs (FP8: the wide tile's large form) or tall
+ * forces the bulk-copy GEMMs' tile shape where route chooses one (Hopper),
+ * for measuring (tools/gpu-run.sh tiles) */
+const char *
+forced_tile ()
+{
+  static const char *tile = getenv ("MOE_CUDA_TILE");
+  return tile;
+}
+
 /* What one m-tile of shape C costs, gate/up and down together (route's
- * TileChoice): the operand bytes it loads from L2, rows and weights, where
- * a CTA of a pair, which loads half the weight tile, counts 2/3 of it: a
- * pair's m-tile takes longer than its bytes say (its CTAs keep each
- * other's pace, its padding m-tile too). Counting the half alone chose
- * the pairs where the tall tile was faster (H100: Qwen1.5-MoE's layer at
- * 273 and 546 rows an expert, by 4% and 12%); 2/3 picks the tall tile
- * there and the pairs from 192 to 410 rows (6-31% over the single wide
- * tile), but still the pairs where the tall tile is faster at
- * Qwen3-30B-A3B's 384 and 512 rows (by 5%, 9%) and Qwen1.5-MoE's 819 and
- * 1,092 (3%, 1%): BENCHMARKS.md, thirty-fourth session. */
+ * TileChoice), in bytes loaded from L2: its operand bytes, rows and
+ * weights (a CTA of a pair, which loads half the weight tile, counting
+ * 3/4 of it: the pair's CTAs keep each other's pace, its padding m-tile
+ * too), plus its products, padding included, at 48 FLOPs a byte (96 for
+ * FP8, whose tensor cores run twice as fast). Bytes alone picked the
+ * pairs where the tall tile was faster from ~384 rows an expert
+ * (Qwen3-30B-A3B at 6,144 and 8,192 tokens: 4%, 9%). Over a forced-tile
+ * table (H100, 36 points of three layers, bf16 and FP8: BENCHMARKS.md,
+ * thirty-fifth session) a script's replica of the choice, from the rows
+ * each expert would get, picks the fastest within 1% at 32 with the
+ * products (the same from 40 to 80 FLOPs a byte), at 28 by bytes alone. */
 template <typename C>
 long long
 tma_m_tile_cost (const MoeCudaExperts &p)
 {
-  const int weights = C::CLUSTER > 1 ? C::BN * 2 / 3 : C::BN;
-  return (long long) (C::BM + weights) * WG_ROW_BYTES *
+  const bool fp8 = p.weight_format == MOE_CUDA_WEIGHTS_FP8;
+  const long long es = fp8 ? 1 : 2, flops_a_byte = fp8 ? 96 : 48;
+  const long long weights = C::CLUSTER > 1 ? C::BN * 3 / 4 : C::BN;
+  const long long per_k = (C::BM + weights) * es + 2LL * C::BM * C::BN / flops_a_byte;
+  return per_k *
          ((long long) tma_n_tiles<C> (p, MODE_GATE_UP) * p.hidden + (long long) tma_n_tiles<C> (p, MODE_DOWN) * p.inter);
 }
 
@@ -877,7 +892,9 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
   static_assert (!GATHER || !FP8, "gate/up gathers 16-bit x");
   constexpr bool two = !std::is_same<C, D>::value;
   const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
-  const TileChoice choice = { two ? D::BM : 0, tma_m_tile_cost<C> (p), tma_m_tile_cost<D> (p), C::CLUSTER, D::CLUSTER };
+  TileChoice choice = { two ? D::BM : 0, tma_m_tile_cost<C> (p), tma_m_tile_cost<D> (p), C::CLUSTER, D::CLUSTER };
+  if (forced_tile () != nullptr)
+    choice.forced = strcmp (forced_tile (), "tall") == 0 ? 2 : 1;
   const void *a;
   const float *as = nullptr;
   const char *msg;
@@ -936,15 +953,21 @@ tma_kernels ()
 
 /* Whether the wide tile takes its form for many rows an expert
  * (TmaWideLarge), route then choosing it or the tall tile: bf16/f16 from
- * 192 (token, slot) rows an expert on average (below, an expert's second
- * m-tile of a pair is mostly padding: at 128-137 rows the pairs were 7-9%
- * slower than the tall tile on the Qwen layers); FP8 from 256 (H100,
- * Qwen3-30B's layer against 128 × 128: +18% at 512 rows, 8192 tokens;
- * +1.8% at 256 rows, 4096 tokens) */
+ * 128 (token, slot) rows an expert on average (H100: the single wide tile
+ * was the slowest of the three at every point from 128 rows up, by 6-42%
+ * against the pairs; where the pairs' second m-tile is mostly padding the
+ * cost picks the tall tile); FP8 from 256: its 128 × 192 was up to 9% faster
+ * than its 128 × 128 from 256 rows on the Qwen layers, but 8.6% slower
+ * on DeepSeek-V3's at 128 (BENCHMARKS.md, thirty-fifth session) */
 bool
 large_tiles (const MoeCudaExperts &p)
 {
-  const long from = p.weight_format == MOE_CUDA_WEIGHTS_FP8 ? 256 : 192;
+  if (forced_tile () != nullptr && strcmp (forced_tile (), "wide") == 0)
+    return false;
+  if (forced_tile () != nullptr && strcmp (forced_tile (), "pairs") == 0)
+    return true;
+
+  const long from = p.weight_format == MOE_CUDA_WEIGHTS_FP8 ? 256 : 128;
   return (long) p.tokens * p.top_k >= from * p.num_experts;
 }
 

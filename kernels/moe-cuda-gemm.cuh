@@ -322,8 +322,8 @@ struct Route {
 };
 
 /* A second m-tile height route may take instead of its bm: the one whose
- * m-tiles (each costing cost_a for bm's, cost_b for bm_b's: about their
- * operand bytes, tma_m_tile_cost) cost less in all, with the rows each
+ * m-tiles (each costing cost_a for bm's, cost_b for bm_b's: their operand
+ * bytes and products, tma_m_tile_cost) cost less in all, with the rows each
  * expert really got. An expert's m-tiles are counted in multiples of the
  * GEMM's cluster size (cluster_a for bm's, cluster_b for bm_b's): the CTAs
  * of a cluster take m-tiles of one expert. */
@@ -331,6 +331,7 @@ struct TileChoice {
   int bm_b;
   long long cost_a, cost_b;
   int cluster_a = 1, cluster_b = 1;
+  int forced = 0;   /* 1: bm's m-tiles, 2: bm_b's, whatever they cost (MOE_CUDA_TILE) */
 };
 
 /* m-tiles of bm rows for an expert's rows, in multiples of cluster */
@@ -390,7 +391,8 @@ route_layout (const int *counts, int E, int bm, TileChoice choice, Route r, int 
       atomicAdd (&tiles_ab[0], a);
       atomicAdd (&tiles_ab[1], b);
       __syncthreads ();
-      if ((long long) tiles_ab[1] * choice.cost_b < (long long) tiles_ab[0] * choice.cost_a)
+      if (choice.forced == 2 ||
+          (choice.forced == 0 && (long long) tiles_ab[1] * choice.cost_b < (long long) tiles_ab[0] * choice.cost_a))
         bm = choice.bm_b, cluster = choice.cluster_b;
     }
   if (write && tid == 0 && r.tile_bm != nullptr)

@@ -87,6 +87,15 @@
 #                                   (default: qwen1.5-moe's layer, grouped_mm,
 #                                   bf16, T = 2048, 16384): tokens a second
 #                                   through the layer (T / median call time)
+#   tools/gpu-run.sh tiles [ARGS]    moe-bench-cuda-experts ARGS (e.g. -w fp8,
+#                                   --skew 1) on grouped_mm with each tile
+#                                   shape forced (MOE_CUDA_TILE=wide, pairs,
+#                                   tall) and as route picks, two rounds:
+#                                   a table of µs a call, the best and what
+#                                   route's pick costs over it; TILES="H,I,E,K:T,…
+#                                   …": the layers (default Qwen3-30B-A3B,
+#                                   Qwen1.5-MoE, Mixtral at 128–1,092 rows
+#                                   an expert); SIDE=NAME as profile
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts,
 #                                   test-cuda-model, test-cuda-attention,
@@ -247,6 +256,34 @@ for line in sys.stdin:
       done
     done | tee /tmp/compare.log
     python3 tools/compare-summary.py /tmp/compare.log
+    ;;
+  tiles)
+    MOE_PLUGIN_PATH=$(plugins_of "${SIDE:-this}") || exit 1
+    echo "the cuda plugin of ${SIDE:-this} ($(commit_of "${SIDE:-this}"))"
+    layers=${TILES:-2048,768,128,8:2048,3072,4096,6144,8192,12288,16384 2048,1408,60,4:2048,3072,4096,6144,8192,12288,16384 4096,14336,8,2:512,1024,2048,4096}
+    for round in 1 2; do
+      for layer in $layers; do
+        for tile in wide pairs tall route; do
+          # route: the variable unset (route's own choice)
+          if [ $tile = route ]; then unset MOE_CUDA_TILE; else MOE_CUDA_TILE=$tile; export MOE_CUDA_TILE; fi
+          "$root/bin/moe-bench-cuda-experts" -s "${layer%%:*}" -t "${layer#*:}" -b grouped_mm --batches 3 "$@" |
+            sed -n "s/^{.*\"T\": *\([0-9]*\).*\"median_us\": *\([0-9.]*\).*/${layer%%:*} \1 $tile \2/p" || exit 1
+        done
+      done
+    done | python3 -c '
+import sys
+from collections import defaultdict
+t = defaultdict(list)
+for line in sys.stdin:
+    layer, T, tile, us = line.split()
+    t[(layer, int(T), tile)].append(float(us))
+print("| layer | T | wide | pairs | tall | route | route over the best |")
+print("|---|---:|---:|---:|---:|---:|---:|")
+for layer, T in sorted({(k[0], k[1]) for k in t}, key=lambda k: (k[0], k[1])):
+    mean = {x: sum(t[(layer, T, x)]) / len(t[(layer, T, x)]) for x in ("wide", "pairs", "tall", "route") if t[(layer, T, x)]}
+    best = min(v for x, v in mean.items() if x != "route")
+    cells = ["**%.1f**" % mean[x] if mean.get(x) == best else ("%.1f" % mean[x] if x in mean else "—") for x in ("wide", "pairs", "tall", "route")]
+    print("| %s | %d | %s | %+.1f%% |" % (layer, T, " | ".join(cells), 100 * (mean["route"] / best - 1)))'
     ;;
   sanitize)
     tool=${1:-memcheck}
