@@ -815,11 +815,14 @@ tma_n_tiles (const MoeCudaExperts &p, int mode)
 
 /* MOE_CUDA_TILE=wide, pairs (FP8: the wide tile's large form) or tall
  * forces the bulk-copy GEMMs' tile shape where route chooses one (Hopper),
- * for measuring (tools/gpu-run.sh tiles) */
+ * for measuring (tools/gpu-run.sh tiles); any other value is no force */
 const char *
 forced_tile ()
 {
-  static const char *tile = getenv ("MOE_CUDA_TILE");
+  static const char *tile = [] {
+    const char *v = getenv ("MOE_CUDA_TILE");
+    return v != nullptr && (strcmp (v, "wide") == 0 || strcmp (v, "pairs") == 0 || strcmp (v, "tall") == 0) ? v : nullptr;
+  }();
   return tile;
 }
 
