@@ -95,7 +95,9 @@
 #                                   route's pick costs over it; TILES="H,I,E,K:T,…
 #                                   …": the layers (default Qwen3-30B-A3B,
 #                                   Qwen1.5-MoE, Mixtral at 128–1,092 rows
-#                                   an expert); SIDE=NAME as profile
+#                                   an expert); SIDE=NAME as profile; each
+#                                   run's line also in /tmp/tiles.log (what
+#                                   a cut-off run measured)
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts,
 #                                   test-cuda-model, test-cuda-attention,
@@ -270,7 +272,7 @@ for line in sys.stdin:
             sed -n "s/^{.*\"T\": *\([0-9]*\).*\"median_us\": *\([0-9.]*\).*/${layer%%:*} \1 $tile \2/p" || exit 1
         done
       done
-    done | python3 -c '
+    done | tee /tmp/tiles.log | python3 -c '
 import sys
 from collections import defaultdict
 t = defaultdict(list)
@@ -281,9 +283,10 @@ print("| layer | T | wide | pairs | tall | route | route over the best |")
 print("|---|---:|---:|---:|---:|---:|---:|")
 for layer, T in sorted({(k[0], k[1]) for k in t}, key=lambda k: (k[0], k[1])):
     mean = {x: sum(t[(layer, T, x)]) / len(t[(layer, T, x)]) for x in ("wide", "pairs", "tall", "route") if t[(layer, T, x)]}
-    best = min(v for x, v in mean.items() if x != "route")
+    best = min([v for x, v in mean.items() if x != "route"] or [float("nan")])
     cells = ["**%.1f**" % mean[x] if mean.get(x) == best else ("%.1f" % mean[x] if x in mean else "—") for x in ("wide", "pairs", "tall", "route")]
-    print("| %s | %d | %s | %+.1f%% |" % (layer, T, " | ".join(cells), 100 * (mean["route"] / best - 1)))'
+    over = "%+.1f%%" % (100 * (mean["route"] / best - 1)) if "route" in mean and best == best else "—"
+    print("| %s | %d | %s | %s |" % (layer, T, " | ".join(cells), over))'
     ;;
   sanitize)
     tool=${1:-memcheck}
