@@ -975,7 +975,8 @@ large_tiles (const MoeCudaExperts &p)
 }
 
 /* The wide tile or the tall one, route's choice; GATHER: gate/up gathers
- * x's rows itself (sonicmoe's schedule) */
+ * x's rows itself (sonicmoe's schedule, below 128 rows an expert, where
+ * the wide tile's large form never runs: not even a forced one) */
 template <typename T, bool FP8, bool GATHER = false>
 const char *
 run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s)
@@ -985,9 +986,10 @@ run_grouped_tma_aot (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s
     return "the bf16/f16 tensor-core path got another dtype";
   else
     {
-      if (large_tiles (p))
-        return run_grouped_tma<T, FP8, TmaWideLarge<FP8>, Tall, GATHER> (
-            p, w, s, tma_kernels<T, FP8, TmaWideLarge<FP8>, GATHER> (), tma_kernels<T, FP8, Tall, GATHER> ());
+      if constexpr (!GATHER)
+        if (large_tiles (p))
+          return run_grouped_tma<T, FP8, TmaWideLarge<FP8>, Tall> (p, w, s, tma_kernels<T, FP8, TmaWideLarge<FP8>> (),
+                                                                   tma_kernels<T, FP8, Tall> ());
       return run_grouped_tma<T, FP8, TmaWide<FP8>, Tall, GATHER> (p, w, s, tma_kernels<T, FP8, TmaWide<FP8>, GATHER> (),
                                                                   tma_kernels<T, FP8, Tall, GATHER> ());
     }
