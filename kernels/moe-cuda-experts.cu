@@ -816,12 +816,18 @@ tma_n_tiles (const MoeCudaExperts &p, int mode)
 /* MOE_CUDA_TILE=wide, pairs (FP8: the wide tile's large form) or tall
  * forces the bulk-copy GEMMs' tile shape where route chooses one (Hopper),
  * for measuring (tools/gpu-run.sh tiles); any other value is no force */
-const char *
+enum ForcedTile { TILE_ROUTED, TILE_WIDE, TILE_PAIRS, TILE_TALL };
+
+ForcedTile
 forced_tile ()
 {
-  static const char *tile = [] {
+  static const ForcedTile tile = [] {
     const char *v = getenv ("MOE_CUDA_TILE");
-    return v != nullptr && (strcmp (v, "wide") == 0 || strcmp (v, "pairs") == 0 || strcmp (v, "tall") == 0) ? v : nullptr;
+    if (v == nullptr)
+      return TILE_ROUTED;
+    return strcmp (v, "wide") == 0 ? TILE_WIDE : strcmp (v, "pairs") == 0 ? TILE_PAIRS
+                                               : strcmp (v, "tall") == 0  ? TILE_TALL
+                                                                          : TILE_ROUTED;
   }();
   return tile;
 }
@@ -896,8 +902,8 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
   constexpr bool two = !std::is_same<C, D>::value;
   const int S = p.tokens * p.top_k, E = p.num_experts, es = FP8 ? 1 : 2;
   TileChoice choice = { two ? D::BM : 0, tma_m_tile_cost<C> (p), tma_m_tile_cost<D> (p), C::CLUSTER, D::CLUSTER };
-  if (forced_tile () != nullptr)
-    choice.forced = strcmp (forced_tile (), "tall") == 0 ? 2 : 1;
+  if (forced_tile () != TILE_ROUTED)
+    choice.forced = forced_tile () == TILE_TALL ? 2 : 1;
   const void *a;
   const float *as = nullptr;
   const char *msg;
@@ -965,10 +971,8 @@ tma_kernels ()
 bool
 large_tiles (const MoeCudaExperts &p)
 {
-  if (forced_tile () != nullptr && strcmp (forced_tile (), "wide") == 0)
-    return false;
-  if (forced_tile () != nullptr && strcmp (forced_tile (), "pairs") == 0)
-    return true;
+  if (forced_tile () == TILE_WIDE || forced_tile () == TILE_PAIRS)
+    return forced_tile () == TILE_PAIRS;
 
   const long from = p.weight_format == MOE_CUDA_WEIGHTS_FP8 ? 256 : 128;
   return (long) p.tokens * p.top_k >= from * p.num_experts;
