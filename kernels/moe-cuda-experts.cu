@@ -1328,15 +1328,13 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
   load_weights (0);
   for (int kb = warp; kb < blocks; kb += WARPS)
     {
-      float v[4], s = load_group_fp8 (src, kb * 128, K, lane, v);
-      unsigned packed = 0;
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-        packed |= fp8_quantize (v[j], s) << (8 * j);
+      float v[4];
+      const Fp8Scale s = load_group_fp8 (src, kb * 128, K, lane, v);
+      const unsigned packed = fp8_quantize2 (v[0], v[1], s) | fp8_quantize2 (v[2], v[3], s) << 16;
       if (kb * 128 + 4 * lane < K)
         *(unsigned *) (xq + kb * 128 + 4 * lane) = packed;
       if (lane == 0)
-        xs[kb] = s;
+        xs[kb] = s.s;
     }
   __syncwarp ();
 
