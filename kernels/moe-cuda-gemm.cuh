@@ -1884,12 +1884,16 @@ quantize_fp8 (const T *__restrict__ in, int rows, int K, unsigned char *__restri
 
   pdl_begin ();
   const int live = gather ? r.offsets[E] : rows;
+  /* group j's row and group in it: one division, then 16 groups on */
+  unsigned j = blockIdx.x * QUANT_BLOCK_GROUPS + threadIdx.x / 16, jr = j / G, jg = j - jr * G;
 #pragma unroll
-  for (int u = 0; u < U; u++)
+  for (int u = 0; u < U; u++, j += 16)
     {
-      const unsigned j = blockIdx.x * QUANT_BLOCK_GROUPS + u * 16 + threadIdx.x / 16;
-      row[u] = (int) (j / G);
-      k0[u] = (int) (j - row[u] * G) * 128 + 8 * lane;
+      if (u > 0)
+        for (jg += 16; jg >= G; jg -= G)
+          jr++;
+      row[u] = (int) jr;
+      k0[u] = (int) jg * 128 + 8 * lane;
       ok[u] = j < groups && row[u] < live;
       src[u] = !ok[u] ? 0 : gather ? (size_t) (r.sorted_pair[row[u]] / top_k) : (size_t) row[u];
     }
