@@ -1639,3 +1639,20 @@ moe_cuda_experts_run (const MoeCudaExperts *e,
   err = cudaGetLastError ();
   return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
 }
+
+extern "C" const char *
+moe_cuda_quantize_fp8 (int                   dtype,
+                       const void           *in,
+                       int                   rows,
+                       int                   K,
+                       unsigned char        *q,
+                       float                *scale,
+                       cudaStream_t          stream)
+{
+  switch (dtype)
+    {
+    case MOE_CUDA_BF16: return launch_quantize_fp8 ((const __nv_bfloat16 *) in, rows, K, q, scale, stream);
+    case MOE_CUDA_F16: return launch_quantize_fp8 ((const __half *) in, rows, K, q, scale, stream);
+    default: return launch_quantize_fp8 ((const float *) in, rows, K, q, scale, stream);
+    }
+}
