@@ -1328,15 +1328,13 @@ rowwise_fp8 (MoeCudaExperts p, const T *src_rows, T *h, T *y)
   load_weights (0);
   for (int kb = warp; kb < blocks; kb += WARPS)
     {
-      float v[4], s = load_group_fp8 (src, kb * 128, K, lane, v);
-      unsigned packed = 0;
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-        packed |= fp8_quantize (v[j], s) << (8 * j);
+      float v[4];
+      const Fp8Scale s = load_group_fp8 (src, kb * 128, K, lane, v);
+      const unsigned packed = fp8_quantize2 (v[0], v[1], s) | fp8_quantize2 (v[2], v[3], s) << 16;
       if (kb * 128 + 4 * lane < K)
         *(unsigned *) (xq + kb * 128 + 4 * lane) = packed;
       if (lane == 0)
-        xs[kb] = s;
+        xs[kb] = s.s;
     }
   __syncwarp ();
 
@@ -1640,4 +1638,21 @@ moe_cuda_experts_run (const MoeCudaExperts *e,
     return msg;
   err = cudaGetLastError ();
   return err == cudaSuccess ? nullptr : cudaGetErrorString (err);
+}
+
+extern "C" const char *
+moe_cuda_quantize_fp8 (int                   dtype,
+                       const void           *in,
+                       int                   rows,
+                       int                   K,
+                       unsigned char        *q,
+                       float                *scale,
+                       cudaStream_t          stream)
+{
+  switch (dtype)
+    {
+    case MOE_CUDA_BF16: return launch_quantize_fp8 ((const __nv_bfloat16 *) in, rows, K, q, scale, stream);
+    case MOE_CUDA_F16: return launch_quantize_fp8 ((const __half *) in, rows, K, q, scale, stream);
+    default: return launch_quantize_fp8 ((const float *) in, rows, K, q, scale, stream);
+    }
 }

@@ -66,6 +66,19 @@ const char *moe_cuda_experts_run            (const MoeCudaExperts *e,
                                              void                 *cublas,
                                              cudaStream_t          stream);
 
+/* The dynamic activation scheme as the FP8 grouped GEMMs read it: each of
+ * @rows rows of @K values (@dtype; K a multiple of 8, @in 16-byte and @q
+ * 8-byte aligned) as e4m3 bytes of v / s in @q [rows, K], s = amax / 448
+ * of its 128-wide group (1 for an all-zero group) in @scale [⌈K/128⌉,
+ * rows]. Returns NULL, or what the rows lack. */
+const char *moe_cuda_quantize_fp8           (int                   dtype,
+                                             const void           *in,
+                                             int                   rows,
+                                             int                   K,
+                                             unsigned char        *q,
+                                             float                *scale,
+                                             cudaStream_t          stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -250,27 +250,47 @@ dot_quantized (const MoeCudaExperts &p, int e, int row, const float *x, int lane
 }
 
 /* The dynamic activation scheme's rule, one place for every kernel that
- * quantizes: a 128-wide group's scale from its largest magnitude, amax /
- * 448 (e4m3's largest), or 1 when the group is all zero … */
-__device__ __forceinline__ float
+ * quantizes: a 128-wide group's scale s from its largest magnitude, amax /
+ * 448 (e4m3's largest), or 1 when the group is all zero, and r, 1 / s
+ * correctly rounded, for the quotients below (0: divide) … */
+struct Fp8Scale {
+  float s, r;
+};
+
+__device__ __forceinline__ Fp8Scale
 fp8_group_scale (float amax)
 {
-  return amax > 0.0f ? amax / 448.0f : 1.0f;
+  const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+  return { s, s >= 0x1p-80f && s <= 0x1p100f ? __frcp_rn (s) : 0.0f };
 }
 
-/* … and a value of the group as the e4m3 byte of v / s (nearest even,
- * saturated) */
-__device__ __forceinline__ unsigned
-fp8_quantize (float v, float s)
+/* … v / s, the division's float: with r = 1 / s rounded to nearest, the
+ * product corrected once by its exact remainder is the correctly rounded
+ * quotient (Markstein), and s within [2⁻⁸⁰, 2¹⁰⁰] keeps the remainder exact
+ * for every quotient e4m3 does not round to 0 — a product and two FMAs a
+ * value, where div.rn took about three times the instructions and made
+ * quantize_fp8 bound by their issue … */
+__device__ __forceinline__ float
+fp8_scaled (float v, Fp8Scale g)
 {
-  return (unsigned) __nv_cvt_float_to_fp8 (v / s, __NV_SATFINITE, __NV_E4M3);
+  const float q = __fmul_rn (v, g.r);
+  return fmaf (fmaf (-q, g.s, v), g.r, q);
+}
+
+/* … and two values of the group as e4m3 bytes of v / s (nearest even,
+ * saturated), @a's the low byte */
+__device__ __forceinline__ unsigned
+fp8_quantize2 (float a, float b, Fp8Scale g)
+{
+  const float2 q = g.r != 0.0f ? make_float2 (fp8_scaled (a, g), fp8_scaled (b, g)) : make_float2 (a / g.s, b / g.s);
+  return __nv_cvt_float2_to_fp8x2 (q, __NV_SATFINITE, __NV_E4M3);
 }
 
 /* One warp's 128-wide group of a row, four values a lane (input
  * g + 4·lane + j, zero past K), and its dynamic e4m3 scale
  * (fp8_group_scale). */
 template <typename T>
-__device__ __forceinline__ float
+__device__ __forceinline__ Fp8Scale
 load_group_fp8 (const T *row, int g, int K, int lane, float v[4])
 {
   float amax = 0.0f;
@@ -298,13 +318,15 @@ quantize_activations (const T *in, int K, float *out)
 
   for (int g = warp * 128; g < K; g += 8 * 128)
     {
-      float v[4], s = load_group_fp8 (in + row * K, g, K, lane, v);
+      float v[4];
+      const Fp8Scale s = load_group_fp8 (in + row * K, g, K, lane, v);
+      const unsigned q[2] = { fp8_quantize2 (v[0], v[1], s), fp8_quantize2 (v[2], v[3], s) };
 #pragma unroll
       for (int j = 0; j < 4; j++)
         {
           int k = g + lane * 4 + j;
           if (k < K)
-            out[row * K + k] = e4m3_to_f (fp8_quantize (v[j], s)) * s;
+            out[row * K + k] = e4m3_to_f ((q[j / 2] >> (8 * (j % 2))) & 0xffu) * s.s;
         }
     }
 }
@@ -1813,7 +1835,7 @@ gather_sorted (const T *x, Route r, int E, int top_k, int H, T *dst)
 
 /* The dynamic activation scheme for the FP8 tensor cores: each row's
  * 128-wide groups scaled and rounded to e4m3 (fp8_group_scale,
- * fp8_quantize), kept as bytes plus one float scale per
+ * fp8_quantize2), kept as bytes plus one float scale per
  * group ([⌈K/128⌉, rows]). With @gather, row i of the output is sorted row
  * i of @r (its token's x), and rows past the routed ones are skipped.
  *
@@ -1862,12 +1884,16 @@ quantize_fp8 (const T *__restrict__ in, int rows, int K, unsigned char *__restri
 
   pdl_begin ();
   const int live = gather ? r.offsets[E] : rows;
+  /* group j's row and group in it: one division, then 16 groups on */
+  unsigned j = blockIdx.x * QUANT_BLOCK_GROUPS + threadIdx.x / 16, jr = j / G, jg = j - jr * G;
 #pragma unroll
-  for (int u = 0; u < U; u++)
+  for (int u = 0; u < U; u++, j += 16)
     {
-      const unsigned j = blockIdx.x * QUANT_BLOCK_GROUPS + u * 16 + threadIdx.x / 16;
-      row[u] = (int) (j / G);
-      k0[u] = (int) (j - row[u] * G) * 128 + 8 * lane;
+      if (u > 0)
+        for (jg += 16; jg >= G; jg -= G)
+          jr++;
+      row[u] = (int) jr;
+      k0[u] = (int) jg * 128 + 8 * lane;
       ok[u] = j < groups && row[u] < live;
       src[u] = !ok[u] ? 0 : gather ? (size_t) (r.sorted_pair[row[u]] / top_k) : (size_t) row[u];
     }
@@ -1892,20 +1918,19 @@ quantize_fp8 (const T *__restrict__ in, int rows, int K, unsigned char *__restri
 #pragma unroll
       for (int o = 8; o > 0; o /= 2)
         amax = fmaxf (amax, __shfl_xor_sync (0xffffffffu, amax, o));
-      const float s = fp8_group_scale (amax);
+      const Fp8Scale s = fp8_group_scale (amax);
       if (!ok[u])
         continue;
       if (k0[u] < K)
         {
-          unsigned b[8];
+          unsigned b[4];
 #pragma unroll
-          for (int e = 0; e < 8; e++)
-            b[e] = fp8_quantize (v[u][e], s);
-          *(uint2 *) (q + (size_t) row[u] * K + k0[u]) = make_uint2 (b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24,
-                                                                    b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24);
+          for (int e = 0; e < 4; e++)
+            b[e] = fp8_quantize2 (v[u][2 * e], v[u][2 * e + 1], s);
+          *(uint2 *) (q + (size_t) row[u] * K + k0[u]) = make_uint2 (b[0] | b[1] << 16, b[2] | b[3] << 16);
         }
       if (lane == 0)
-        scale[(size_t) (k0[u] / 128) * rows + row[u]] = s;
+        scale[(size_t) (k0[u] / 128) * rows + row[u]] = s.s;
     }
 }
 

@@ -183,6 +183,60 @@ block_pick (double ex, double w, double r)
   return pick;
 }
 
+/* A per-thread @run summed over the group in id order: the sum of the
+ * block's runs before this thread's, the block's own, the blocks' before
+ * this block and the group's, each added run by run, block by block.
+ * @slot: a __shared__ the group reads this block's sum from (one a use) */
+template <typename T>
+struct GroupSum {
+  T in_block_before, block, blocks_before, total;
+};
+
+template <typename T>
+__device__ GroupSum<T>
+group_sum (const Group &g, T run, T *slot)
+{
+  GroupSum<T> s;
+
+  s.in_block_before = block_exclusive (run, s.block);
+  if (threadIdx.x == 0)
+    *slot = s.block;
+  g.sync ();
+  s.blocks_before = s.total = T (0);
+  for (int r = 0; r < g.size; r++)
+    {
+      const T t = *g.at (slot, r);
+      if (r < g.rank)
+        s.blocks_before += t;
+      s.total += t;
+    }
+  return s;
+}
+
+/* The last id of the group's rows in [@lo, @hi) (this thread's run) that
+ * @match holds for, or −1; @slot: a __shared__ the group reads (one a
+ * use). The caller syncs the group before its blocks may exit. */
+template <typename F>
+__device__ int
+group_last (const Group &g, int lo, int hi, F match, int *slot)
+{
+  int last = -1;
+
+  if (threadIdx.x == 0)
+    *slot = -1;
+  __syncthreads ();
+  for (int i = hi - 1; i >= lo; i--)
+    if (match (i))
+      {
+        atomicMax (slot, i);
+        break;
+      }
+  g.sync ();
+  for (int r = 0; r < g.size; r++)
+    last = max (last, *g.at (slot, r));
+  return last;
+}
+
 __global__ void __launch_bounds__ (THREADS)
 sample_kernel (MoeCudaSampling s, int group_size)
 {
@@ -235,52 +289,28 @@ sample_kernel (MoeCudaSampling s, int group_size)
    * sums of their weights run by run, block by block, the blocks' before
    * this one and all, added in that order. */
   auto walk = [&] (auto kept) {
-    double run = 0, block_total, before = 0, total = 0;
+    double run = 0;
     for (int i = lo; i < hi; i++)
       if (kept (i))
         run += weight (x[i]);
-    const double run_before = block_exclusive (run, block_total);
-    if (tid == 0)
-      walk_sum = block_total;
-    g.sync ();
-    for (int r = 0; r < g.size; r++)
-      {
-        double t = *g.at (&walk_sum, r);
-        if (r < g.rank)
-          before += t;
-        total += t;
-      }
-    const double r = u * total;
-    if (!(r < total))
+    const GroupSum<double> sum = group_sum (g, run, &walk_sum);
+    const double r = u * sum.total;
+    if (!(r < sum.total))
       {
         /* r rounded up to the total (or no weights): the last kept token */
-        if (tid == 0)
-          walk_last = -1;
-        __syncthreads ();
-        for (int i = hi - 1; i >= lo; i--)
-          if (kept (i))
-            {
-              atomicMax (&walk_last, i);
-              break;
-            }
-        g.sync ();
+        const int last = group_last (g, lo, hi, kept, &walk_last);
         if (g.rank == 0 && tid == 0)
-          {
-            int last = -1;
-            for (int b = 0; b < g.size; b++)
-              last = max (last, *g.at (&walk_last, b));
-            s.out[row] = last >= 0 ? last : s.n - 1;
-          }
+          s.out[row] = last >= 0 ? last : s.n - 1;
         g.sync ();   /* every block's walk_last read */
         return;
       }
     g.sync ();   /* every block has read the others' sums */
-    if (!(before <= r && r < before + block_total))
+    if (!(sum.blocks_before <= r && r < sum.blocks_before + sum.block))
       return;
-    const double rb = r - before;
-    if (tid != block_pick (run_before, run, rb))
+    const double rb = r - sum.blocks_before;
+    if (tid != block_pick (sum.in_block_before, run, rb))
       return;
-    double acc = run_before;
+    double acc = sum.in_block_before;
     int last = lo;
     for (int i = lo; i < hi; i++)
       if (kept (i))
@@ -312,20 +342,12 @@ sample_kernel (MoeCudaSampling s, int group_size)
        * that start as the cut's), then, of the tokens with that key, the
        * first in id order where the weight reaches M — and the draw over
        * them in id order */
-      double total = 0, above = 0, block_total;
+      double above = 0;
       unsigned prefix = 0;
-      {
-        double run = 0;
-        for (int i = lo; i < hi; i++)
-          run += weight (x[i]);
-        block_exclusive (run, block_total);
-        if (tid == 0)
-          part_sum = block_total;
-        g.sync ();
-        for (int r = 0; r < g.size; r++)
-          total += *g.at (&part_sum, r);
-      }
-      const double M = s.top_p * total;
+      double row_run = 0;
+      for (int i = lo; i < hi; i++)
+        row_run += weight (x[i]);
+      const double M = s.top_p * group_sum (g, row_run, &part_sum).total;
       const int lane = tid % 32, warp = tid / 32;
       for (int d = 0; d < 6; d++)
         {
@@ -406,20 +428,15 @@ sample_kernel (MoeCudaSampling s, int group_size)
       /* of the tokens with the cut's key, the first in id order where the
        * weight reaches M (or the last of them) */
       {
-        double run = 0, acc, tie_total, tie_before = 0;
+        auto tied = [&] (int i) { return order_key (x[i]) == prefix; };
+        double run = 0;
         for (int i = lo; i < hi; i++)
-          if (order_key (x[i]) == prefix)
+          if (tied (i))
             run += weight (x[i]);
-        acc = block_exclusive (run, tie_total);
         if (tid == 0)
-          {
-            part_tie = tie_total;
-            cut_first = INT_MAX, cut_last = -1;
-          }
-        g.sync ();
-        for (int r = 0; r < g.rank; r++)
-          tie_before += *g.at (&part_tie, r);
-        acc += tie_before;
+          cut_first = INT_MAX;
+        const GroupSum<double> tie = group_sum (g, run, &part_tie);
+        double acc = tie.in_block_before + tie.blocks_before;
         for (int i = lo; i < hi; i++)
           if (order_key (x[i]) == prefix)
             {
@@ -430,16 +447,10 @@ sample_kernel (MoeCudaSampling s, int group_size)
                   break;
                 }
             }
-        for (int i = hi - 1; i >= lo; i--)
-          if (order_key (x[i]) == prefix)
-            {
-              atomicMax (&cut_last, i);
-              break;
-            }
-        g.sync ();
-        int first = INT_MAX, last = -1;
+        const int last = group_last (g, lo, hi, tied, &cut_last);   /* (its sync ends cut_first's atomics) */
+        int first = INT_MAX;
         for (int r = 0; r < g.size; r++)
-          first = min (first, *g.at (&cut_first, r)), last = max (last, *g.at (&cut_last, r));
+          first = min (first, *g.at (&cut_first, r));
         const int cut = first != INT_MAX ? first : last;
         walk ([&] (int i) {
           const unsigned k = order_key (x[i]);
@@ -520,12 +531,8 @@ sample_kernel (MoeCudaSampling s, int group_size)
         a += k > prefix;
         e += k == prefix;
       }
-    unsigned long long block_count, at = block_exclusive ((unsigned long long) a << 32 | e, block_count);
-    if (tid == 0)
-      part_count = block_count;
-    g.sync ();
-    for (int r = 0; r < g.rank; r++)
-      at += *g.at (&part_count, r);
+    const GroupSum<unsigned long long> count = group_sum (g, (unsigned long long) a << 32 | e, &part_count);
+    const unsigned long long at = count.in_block_before + count.blocks_before;
     unsigned long long *dst = g.at (kept, 0);
     unsigned a_at = (unsigned) (at >> 32), e_at = (unsigned) at;
     for (int i = lo; i < hi; i++)

@@ -13,8 +13,9 @@
 # (stripped, xz: ~4.3 MB), as _gpu/candidate-NAME.so.xz (its commit in
 # _gpu/candidate-NAME.commit), and the programs that link the kernels
 # themselves rather than load the plugin (test-cuda-attention,
-# test-cuda-rope, test-cuda-sampling, moe-bench-attention: ~2.2 MB) as
-# _gpu/candidate-NAME.bin.tar.xz, beside the bundle already there: several
+# test-cuda-rope, test-cuda-sampling, test-cuda-quantize,
+# moe-bench-attention: ~2.3 MB) as _gpu/candidate-NAME.bin.tar.xz, beside
+# the bundle already there: several
 # changes (branches) tested and timed in one call (tools/gpu-run.sh test
 # NAME, compare, attention-compare). A new bundle drops the candidates, but
 # the baseline:
@@ -37,7 +38,8 @@ esac
 
 # the programs that link the kernels themselves (not the plugin), by
 # their paths in the build; the bundle has them in bin/
-KERNEL_PROGRAMS="tests/gpu/test-cuda-attention tests/gpu/test-cuda-rope tests/gpu/test-cuda-sampling tools/moe-bench-attention"
+KERNEL_PROGRAMS="tests/gpu/test-cuda-attention tests/gpu/test-cuda-rope tests/gpu/test-cuda-sampling
+  tests/gpu/test-cuda-quantize tools/moe-bench-attention"
 
 # keep_plugin SO NAME COMMIT PROGRAM…: SO stripped and compressed as
 # candidate NAME, with the programs (KERNEL_PROGRAMS' paths)
@@ -94,7 +96,8 @@ for p in eager batched_mm grouped_mm deepgemm sonicmoe deepgemm_megamoe cuda; do
   cp "$build/plugins/$p/libmoe-$p.so" "$build/plugins/$p/$p.plugin" "$stage/plugins/"
 done
 cp "$build/tests/gpu/test-cuda-experts" "$build/tests/gpu/test-cuda-model" "$build/tests/gpu/test-cuda-attention" \
-   "$build/tests/gpu/test-cuda-rope" "$build/tests/gpu/test-cuda-sampling" "$build/tests/c/test-experts" \
+   "$build/tests/gpu/test-cuda-rope" "$build/tests/gpu/test-cuda-sampling" "$build/tests/gpu/test-cuda-quantize" \
+   "$build/tests/c/test-experts" \
    "$build/tools/moe-bench-cuda-experts" "$build/tools/moe-bench-attention" "$build/tools/moe-bench-model" "$build/cli/moe" "$stage/bin/"
 
 for f in "$stage"/lib/* "$stage"/plugins/*.so "$stage"/bin/*; do ldd "$f"; done |

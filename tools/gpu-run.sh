@@ -101,7 +101,8 @@
 #   tools/gpu-run.sh sanitize TOOL [TEST] [-p TESTPATH ...]
 #                                   a gpu test (test-cuda-experts,
 #                                   test-cuda-model, test-cuda-attention,
-#                                   test-cuda-rope or test-cuda-sampling)
+#                                   test-cuda-rope, test-cuda-sampling or
+#                                   test-cuda-quantize)
 #                                   under compute-sanitizer
 #                                   --tool TOOL (memcheck, racecheck, …)
 #
@@ -203,7 +204,7 @@ case "$what" in
   test)
     side=${1:-this}
     [ $# -gt 0 ] && shift
-    tests=${*:-test-cuda-experts test-cuda-model test-cuda-attention test-cuda-rope test-cuda-sampling test-experts}
+    tests=${*:-test-cuda-experts test-cuda-model test-cuda-attention test-cuda-rope test-cuda-sampling test-cuda-quantize test-experts}
     dir=$(side_of "$side") || exit 1
     MOE_PLUGIN_PATH=$dir/plugins
     export MOE_PLUGIN_PATH
