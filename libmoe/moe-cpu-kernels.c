@@ -14,6 +14,7 @@
 #ifdef G_OS_UNIX
 #include <sys/mman.h>   /* mincore */
 #endif
+#include <gmodule.h>
 
 /* Rows up to this count multiply half-precision weights in place; above it
  * the expert's matrix is widened once into scratch so that sgemm can run. */
@@ -48,6 +49,56 @@ cpu_has_avx2_fma (void)
 # define MOE_DISPATCH(name, ...) name##_base (__VA_ARGS__)
 # define MOE_VARIANTS(name, params, args)                 \
   static void name##_base params { name##_body args; }
+#endif
+
+/* OpenBLAS built for several CPUs (DYNAMIC_ARCH, as distributions ship
+ * it) picks its kernels by the CPU's model number, and a release older
+ * than the CPU takes its generic x86-64 ones ("Prescott": SSE3) — Debian
+ * 12's 0.3.21 on Intel's Emerald Rapids, where sgemm then ran 5× slower
+ * than with the AVX-512 kernels the CPU runs (BENCHMARKS.md,
+ * thirty-seventh session). Where that happened and OPENBLAS_CORETYPE does
+ * not choose already, the kernels are picked by what the CPU can run, as
+ * that variable would pick them: OpenBLAS's dispatch is made again with
+ * it set. This runs as libmoe is loaded, before any of its matmuls, and
+ * while a program is mostly still one thread (the environment is not
+ * safe to change beside other threads); a process that runs OpenBLAS
+ * from another thread at that moment should set OPENBLAS_CORETYPE itself. */
+#if defined(MOE_HAVE_AVX2_VARIANTS) && defined(G_OS_UNIX)
+static const char *
+blas_core_for_cpu (void)
+{
+  __builtin_cpu_init ();
+  if (__builtin_cpu_supports ("avx512f") && __builtin_cpu_supports ("avx512bw") &&
+      __builtin_cpu_supports ("avx512dq") && __builtin_cpu_supports ("avx512vl") &&
+      __builtin_cpu_supports ("avx512cd"))
+    return "SkylakeX";
+  if (__builtin_cpu_supports ("avx2") && __builtin_cpu_supports ("fma"))
+    return "Haswell";
+  return NULL;
+}
+
+__attribute__ ((constructor)) static void
+moe_cpu_choose_blas_core (void)
+{
+  GModule *self = g_module_open (NULL, G_MODULE_BIND_LAZY);
+  char *(*corename) (void);
+  void (*dispatch_quit) (void), (*dispatch_init) (void);
+  const char *core;
+
+  if (self == NULL)
+    return;
+  if (g_getenv ("OPENBLAS_CORETYPE") == NULL &&
+      g_module_symbol (self, "openblas_get_corename", (gpointer *) &corename) &&
+      g_module_symbol (self, "gotoblas_dynamic_quit", (gpointer *) &dispatch_quit) &&
+      g_module_symbol (self, "gotoblas_dynamic_init", (gpointer *) &dispatch_init) &&
+      g_strcmp0 (corename (), "Prescott") == 0 && (core = blas_core_for_cpu ()) != NULL)
+    {
+      g_setenv ("OPENBLAS_CORETYPE", core, FALSE);
+      dispatch_quit ();
+      dispatch_init ();
+    }
+  g_module_close (self);
+}
 #endif
 
 typedef float   v8f   __attribute__ ((vector_size (32)));

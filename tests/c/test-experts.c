@@ -3,6 +3,7 @@
  * SPDX-License-Identifier: LGPL-2.1-or-later
  */
 #include <string.h>
+#include <gmodule.h>
 #include <libmoe.h>
 #include <moe-plugin.h>
 
@@ -320,6 +321,39 @@ test_to_device (void)
   case_clear (&c);
 }
 
+/* OpenBLAS runs the kernels of this CPU, not its generic x86-64 ones,
+ * where it runs AVX2 or better (libmoe chooses them where OpenBLAS does not
+ * know the CPU's model: moe-cpu-kernels.c) */
+static void
+test_blas_core (void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+  GModule *self = g_module_open (NULL, G_MODULE_BIND_LAZY);
+  char *(*corename) (void) = NULL;
+
+  if (self != NULL)
+    {
+      g_module_symbol (self, "openblas_get_corename", (gpointer *) &corename);
+      g_module_close (self);   /* the program's own handle: nothing is unloaded */
+    }
+  if (corename == NULL)
+    {
+      g_test_skip ("the BLAS is not OpenBLAS");
+      return;
+    }
+  __builtin_cpu_init ();
+  if (!__builtin_cpu_supports ("avx2") || !__builtin_cpu_supports ("fma"))
+    {
+      g_test_skip ("this CPU runs no AVX2 kernels");
+      return;
+    }
+  g_test_message ("OpenBLAS core: %s (OPENBLAS_CORETYPE %s)", corename (), g_getenv ("OPENBLAS_CORETYPE"));
+  g_assert_cmpstr (corename (), !=, "Prescott");
+#else
+  g_test_skip ("x86-64 only");
+#endif
+}
+
 int
 main (int argc, char *argv[])
 {
@@ -340,6 +374,7 @@ main (int argc, char *argv[])
   g_test_add_func ("/experts/weights-not-3d", test_weights_not_3d);
   g_test_add_func ("/experts/properties", test_properties);
   g_test_add_func ("/experts/to-device", test_to_device);
+  g_test_add_func ("/experts/blas-core", test_blas_core);
 
   return g_test_run ();
 }
