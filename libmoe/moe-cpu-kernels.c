@@ -397,12 +397,145 @@ get_scratch (gsize n)
   return s->data;
 }
 
-/* y[m, n] = x[m, k] · W[n, k]ᵀ with W in bf16, read in place: each weight
- * row is widened once and used for all m rows. Called with a constant m so
- * that the accumulators stay in registers; two weight rows at a time for
- * m ≤ 4 to keep more independent sums in flight. */
+/* ---- work split over the cores ------------------------------------------
+ *
+ * The half-precision matmuls libmoe runs itself (few rows: weights read in
+ * place; more: the widening before sgemm) split their outputs over as
+ * many threads as OpenBLAS runs its own with (OPENBLAS_NUM_THREADS; the
+ * processors where the BLAS is not OpenBLAS), so that "the same cores" is
+ * one setting. The workers block between jobs rather than spin: on a
+ * loaded machine spinning workers made such calls several times slower. */
+
+#define MAX_THREADS 64
+
+typedef void (*RangeFunc) (gpointer data, gsize begin, gsize end);
+
+typedef struct {
+  RangeFunc fn;
+  gpointer  data;
+  gsize     n, grain;
+  guint     parts;
+  guint     pending;   /* parts not done yet */
+  GMutex    lock;
+  GCond     done;
+} Job;
+
+typedef struct {
+  Job   *job;
+  guint  part;
+} JobPart;
+
+static GThreadPool *workers;
+static guint n_threads = 1;
+
+static void
+job_run_part (Job   *job,
+              guint  part)
+{
+  /* parts of whole grains, as even as the grains allow */
+  gsize grains = (job->n + job->grain - 1) / job->grain;
+  gsize begin = MIN (job->n, grains * part / job->parts * job->grain);
+  gsize end = MIN (job->n, grains * (part + 1) / job->parts * job->grain);
+
+  if (begin < end)
+    job->fn (job->data, begin, end);
+  g_mutex_lock (&job->lock);
+  if (--job->pending == 0)
+    g_cond_signal (&job->done);
+  g_mutex_unlock (&job->lock);
+}
+
+static void
+worker_run (gpointer task,
+            gpointer user_data)
+{
+  JobPart *p = task;
+  job_run_part (p->job, p->part);
+}
+
+static void
+workers_init (void)
+{
+  static gsize once = 0;
+
+  if (g_once_init_enter (&once))
+    {
+      GModule *self = g_module_open (NULL, G_MODULE_BIND_LAZY);
+      int (*blas_threads) (void) = NULL;
+      guint n = g_get_num_processors ();
+
+      if (self != NULL)
+        {
+          if (g_module_symbol (self, "openblas_get_num_threads", (gpointer *) &blas_threads) && blas_threads () > 0)
+            n = blas_threads ();
+          g_module_close (self);
+        }
+      n_threads = CLAMP (n, 1, MAX_THREADS);
+      if (n_threads > 1)
+        workers = g_thread_pool_new (worker_run, NULL, (int) n_threads - 1, FALSE, NULL);
+      if (workers == NULL)
+        n_threads = 1;
+      g_once_init_leave (&once, 1);
+    }
+}
+
+/* fn (data, begin, end) over [0, n) in parts of whole @grain-sized steps,
+ * one a thread, this thread taking the first; returns when all are done */
+static void
+parallel_for (gsize     n,
+              gsize     grain,
+              RangeFunc fn,
+              gpointer  data)
+{
+  Job job = { fn, data, n, grain, 1, 0, };
+  JobPart parts[MAX_THREADS];
+
+  workers_init ();
+  job.parts = (guint) MIN ((gsize) n_threads, (n + grain - 1) / MAX (grain, 1));
+  if (job.parts <= 1)
+    {
+      fn (data, 0, n);
+      return;
+    }
+  job.pending = job.parts;
+  g_mutex_init (&job.lock);
+  g_cond_init (&job.done);
+  for (guint i = 1; i < job.parts; i++)
+    {
+      parts[i] = (JobPart) { &job, i };
+      if (!g_thread_pool_push (workers, &parts[i], NULL))
+        job_run_part (&job, i);
+    }
+  job_run_part (&job, 0);
+  g_mutex_lock (&job.lock);
+  while (job.pending > 0)
+    g_cond_wait (&job.done, &job.lock);
+  g_mutex_unlock (&job.lock);
+  g_mutex_clear (&job.lock);
+  g_cond_clear (&job.done);
+}
+
+/* Eight weights from @w (bf16 or f32, @bf16 a constant where inlined) at
+ * element @i, as floats; and one */
+MOE_BODY v8f
+load8_w (gconstpointer w, gsize i, gboolean bf16)
+{
+  return bf16 ? load8_bf16 ((const guint16 *) w + i) : load8_f32 ((const float *) w + i);
+}
+
+MOE_BODY float
+load1_w (gconstpointer w, gsize i, gboolean bf16)
+{
+  return bf16 ? moe_bf16_to_f32 (((const guint16 *) w)[i]) : ((const float *) w)[i];
+}
+
+/* y[m, n] = x[m, k] · W[n, k]ᵀ with W (bf16 or f32) read in place: each
+ * weight row is read once and used for all m rows (where sgemm would copy
+ * the whole matrix into its panels for a few rows). Called with a constant
+ * m so that the accumulators stay in registers; two weight rows at a time
+ * for m ≤ 4 to keep more independent sums in flight. */
 MOE_BODY void
-matmul_bf16_nt_rows (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y)
+matmul_nt_rows (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize n, gsize k, float *y, gsize ldy)
 {
   gsize k8 = k & ~(gsize) 7;
   gsize step = m <= 4 ? 2 : 1;
@@ -418,7 +551,7 @@ matmul_bf16_nt_rows (const float *x, gsize m, const guint16 *w, gsize n, gsize k
       for (gsize i = 0; i < k8; i += 8)
         for (gsize q = 0; q < step; q++)
           {
-            v8f wv = load8_bf16 (w + (j + q) * k + i);
+            v8f wv = load8_w (w, (j + q) * k + i, bf16);
             for (gsize r = 0; r < m; r++)
               acc[q][r] += load8_f32 (x + r * k + i) * wv;
           }
@@ -427,8 +560,8 @@ matmul_bf16_nt_rows (const float *x, gsize m, const guint16 *w, gsize n, gsize k
           {
             float sum = hsum8 (acc[q][r]);
             for (gsize i = k8; i < k; i++)
-              sum += x[r * k + i] * moe_bf16_to_f32 (w[(j + q) * k + i]);
-            y[r * n + j + q] = sum;
+              sum += x[r * k + i] * load1_w (w, (j + q) * k + i, bf16);
+            y[r * ldy + j + q] = sum;
           }
     }
   for (; j < n; j++)
@@ -436,58 +569,120 @@ matmul_bf16_nt_rows (const float *x, gsize m, const guint16 *w, gsize n, gsize k
       {
         float sum = 0;
         for (gsize i = 0; i < k; i++)
-          sum += x[r * k + i] * moe_bf16_to_f32 (w[j * k + i]);
-        y[r * n + j] = sum;
+          sum += x[r * k + i] * load1_w (w, j * k + i, bf16);
+        y[r * ldy + j] = sum;
       }
 }
 
+/* Outputs [n0, n1) of y (rows @ldy apart): a part of the outputs is a
+ * part of W's rows */
 MOE_BODY void
-matmul_bf16_nt_body (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y)
+matmul_nt_part (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize k, float *y, gsize ldy, gsize n0,
+                gsize n1)
 {
+  w = (const guint8 *) w + n0 * k * (bf16 ? 2 : 4), y += n0;
   switch (m)
     {
-    case 1: matmul_bf16_nt_rows (x, 1, w, n, k, y); break;
-    case 2: matmul_bf16_nt_rows (x, 2, w, n, k, y); break;
-    case 3: matmul_bf16_nt_rows (x, 3, w, n, k, y); break;
-    case 4: matmul_bf16_nt_rows (x, 4, w, n, k, y); break;
-    case 5: matmul_bf16_nt_rows (x, 5, w, n, k, y); break;
-    case 6: matmul_bf16_nt_rows (x, 6, w, n, k, y); break;
-    case 7: matmul_bf16_nt_rows (x, 7, w, n, k, y); break;
+    case 1: matmul_nt_rows (x, 1, w, bf16, n1 - n0, k, y, ldy); break;
+    case 2: matmul_nt_rows (x, 2, w, bf16, n1 - n0, k, y, ldy); break;
+    case 3: matmul_nt_rows (x, 3, w, bf16, n1 - n0, k, y, ldy); break;
+    case 4: matmul_nt_rows (x, 4, w, bf16, n1 - n0, k, y, ldy); break;
+    case 5: matmul_nt_rows (x, 5, w, bf16, n1 - n0, k, y, ldy); break;
+    case 6: matmul_nt_rows (x, 6, w, bf16, n1 - n0, k, y, ldy); break;
+    case 7: matmul_nt_rows (x, 7, w, bf16, n1 - n0, k, y, ldy); break;
     default:
       g_assert (m == DIRECT_MAX_ROWS);
-      matmul_bf16_nt_rows (x, DIRECT_MAX_ROWS, w, n, k, y);
+      matmul_nt_rows (x, DIRECT_MAX_ROWS, w, bf16, n1 - n0, k, y, ldy);
     }
 }
 
-/* y[m, n] = x[m, k] · W[k, n] with W in bf16, read in place. */
+/* y[m, n] = x[m, k] · W[k, n] with W read in place: outputs [n0, n1), a
+ * part of each of W's rows (@ldw = n apart; y's rows too). */
 MOE_BODY void
-matmul_bf16_nn_body (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y)
+matmul_nn_part (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize k, float *y, gsize ldw, gsize n0,
+                gsize n1)
 {
-  gsize n8 = n & ~(gsize) 7;
+  gsize n = n1 - n0, n8 = n & ~(gsize) 7;
 
-  memset (y, 0, m * n * sizeof (float));
+  y += n0;
+  for (gsize r = 0; r < m; r++)
+    memset (y + r * ldw, 0, n * sizeof (float));
   for (gsize i = 0; i < k; i++)
     {
-      const guint16 *row = w + i * n;
+      gsize row = i * ldw + n0;
       for (gsize j = 0; j < n8; j += 8)
         {
-          v8f wv = load8_bf16 (row + j);
+          v8f wv = load8_w (w, row + j, bf16);
           for (gsize r = 0; r < m; r++)
             {
-              v8f yv = load8_f32 (y + r * n + j) + x[r * k + i] * wv;
-              memcpy (y + r * n + j, &yv, sizeof yv);
+              v8f yv = load8_f32 (y + r * ldw + j) + x[r * k + i] * wv;
+              memcpy (y + r * ldw + j, &yv, sizeof yv);
             }
         }
       for (gsize j = n8; j < n; j++)
         for (gsize r = 0; r < m; r++)
-          y[r * n + j] += x[r * k + i] * moe_bf16_to_f32 (row[j]);
+          y[r * ldw + j] += x[r * k + i] * load1_w (w, row + j, bf16);
     }
 }
 
-MOE_VARIANTS (matmul_bf16_nt, (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y),
-              (x, m, w, n, k, y))
-MOE_VARIANTS (matmul_bf16_nn, (const float *x, gsize m, const guint16 *w, gsize n, gsize k, float *y),
-              (x, m, w, n, k, y))
+#define MATMUL_PART_PARAMS (const float *x, gsize m, gconstpointer w, gsize k, float *y, gsize ld, gsize n0, gsize n1)
+MOE_BODY void matmul_bf16_nt_body MATMUL_PART_PARAMS { matmul_nt_part (x, m, w, TRUE, k, y, ld, n0, n1); }
+MOE_BODY void matmul_f32_nt_body MATMUL_PART_PARAMS { matmul_nt_part (x, m, w, FALSE, k, y, ld, n0, n1); }
+MOE_BODY void matmul_bf16_nn_body MATMUL_PART_PARAMS { matmul_nn_part (x, m, w, TRUE, k, y, ld, n0, n1); }
+MOE_BODY void matmul_f32_nn_body MATMUL_PART_PARAMS { matmul_nn_part (x, m, w, FALSE, k, y, ld, n0, n1); }
+MOE_VARIANTS (matmul_bf16_nt, MATMUL_PART_PARAMS, (x, m, w, k, y, ld, n0, n1))
+MOE_VARIANTS (matmul_f32_nt, MATMUL_PART_PARAMS, (x, m, w, k, y, ld, n0, n1))
+MOE_VARIANTS (matmul_bf16_nn, MATMUL_PART_PARAMS, (x, m, w, k, y, ld, n0, n1))
+MOE_VARIANTS (matmul_f32_nn, MATMUL_PART_PARAMS, (x, m, w, k, y, ld, n0, n1))
+
+/* One few-row product with weights read in place, split over the threads
+ * by outputs */
+typedef struct {
+  const float        *x;
+  gsize               m;
+  const MoeCpuMatrix *w;
+  float              *y;
+} DirectMatmul;
+
+static void
+direct_matmul_part (gpointer data,
+                    gsize    n0,
+                    gsize    n1)
+{
+  const DirectMatmul *d = data;
+  const MoeCpuMatrix *w = d->w;
+
+  if (w->dtype == MOE_DTYPE_BF16 && w->transposed)
+    MOE_DISPATCH (matmul_bf16_nn, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
+  else if (w->dtype == MOE_DTYPE_BF16)
+    MOE_DISPATCH (matmul_bf16_nt, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
+  else if (w->transposed)
+    MOE_DISPATCH (matmul_f32_nn, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
+  else
+    MOE_DISPATCH (matmul_f32_nt, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
+}
+
+/* A matrix this small (in weights) is not worth the threads' hand-over
+ * (~10-20 µs) */
+#define PARALLEL_MIN_WEIGHTS ((gsize) 1 << 18)
+
+/* moe_cpu_convert of n values, split over the threads */
+typedef struct {
+  MoeDType      src_dtype, dst_dtype;
+  gconstpointer src;
+  gpointer      dst;
+} Convert;
+
+static void
+convert_part (gpointer data,
+              gsize    begin,
+              gsize    end)
+{
+  const Convert *c = data;
+
+  moe_cpu_convert (c->src_dtype, (const guint8 *) c->src + begin * moe_dtype_get_size (c->src_dtype),
+                   c->dst_dtype, (guint8 *) c->dst + begin * moe_dtype_get_size (c->dst_dtype), end - begin);
+}
 
 void
 moe_cpu_matmul (const float        *x,
@@ -506,12 +701,16 @@ moe_cpu_matmul (const float        *x,
       return;
     }
 
-  if (w->dtype == MOE_DTYPE_BF16 && m <= DIRECT_MAX_ROWS)
+  /* few rows: bf16 weights in place (not widened), f32 from 2 rows (sgemv
+   * for one: OpenBLAS's own kernels, threaded) */
+  if ((w->dtype == MOE_DTYPE_BF16 || (w->dtype == MOE_DTYPE_F32 && m >= 2)) && m <= DIRECT_MAX_ROWS)
     {
-      if (w->transposed)
-        MOE_DISPATCH (matmul_bf16_nn, x, m, w->data, w->n, w->k, y);
+      DirectMatmul d = { x, m, w, y };
+      /* parts of 16 outputs: whole cache lines of y's rows */
+      if (w->n * w->k >= PARALLEL_MIN_WEIGHTS)
+        parallel_for (w->n, 16, direct_matmul_part, &d);
       else
-        MOE_DISPATCH (matmul_bf16_nt, x, m, w->data, w->n, w->k, y);
+        direct_matmul_part (&d, 0, w->n);
       return;
     }
 
@@ -520,7 +719,11 @@ moe_cpu_matmul (const float        *x,
   else
     {
       float *s = get_scratch (w->n * w->k);
-      moe_cpu_convert (w->dtype, w->data, MOE_DTYPE_F32, s, w->n * w->k);
+      Convert c = { w->dtype, MOE_DTYPE_F32, w->data, s };
+      if (w->n * w->k >= PARALLEL_MIN_WEIGHTS)
+        parallel_for (w->n * w->k, 4096, convert_part, &c);
+      else
+        convert_part (&c, 0, w->n * w->k);
       wf = s;
     }
 
