@@ -292,6 +292,10 @@ def libmoe_cmd(case, dtype_name, tokens, backend=None):
     return cmd
 
 
+# the kernels OpenBLAS ran in libmoe's processes (moe-bench-experts says)
+LIBMOE_BLAS_CORES = set()
+
+
 def run_libmoe(case, dtype_name, tokens, backend=None):
     cmd = libmoe_cmd(case, dtype_name, tokens, backend)
     log("  $ " + " ".join(cmd))
@@ -302,6 +306,7 @@ def run_libmoe(case, dtype_name, tokens, backend=None):
     for line in p.stdout.splitlines():
         r = json.loads(line)
         out[(r["T"], r["backend"])] = r
+        LIBMOE_BLAS_CORES.add(r.get("blas_core") or "(not OpenBLAS)")
         log(f"  libmoe       {r['backend']:10s} T={r['T']:4d} {dtype_name}: {r['median_us']:10.0f} µs"
             f" (min {r['min_us']}, {r['runs']} runs)  rel_err {r['rel_err']:.2e}")
     return out
@@ -338,8 +343,9 @@ def environment_lines():
         ob = ctypes.CDLL("libopenblas.so.0")
         ob.openblas_get_config.restype = ctypes.c_char_p
         ob.openblas_get_corename.restype = ctypes.c_char_p
-        lines.append(f"- libmoe BLAS: OpenBLAS `{ob.openblas_get_config().decode()}`,"
-                     f" core `{ob.openblas_get_corename().decode()}`")
+        lines.append(f"- libmoe BLAS: OpenBLAS `{ob.openblas_get_config().decode()}`; its dispatch picks"
+                     f" core `{ob.openblas_get_corename().decode()}` here, libmoe's runs had"
+                     f" `{', '.join(sorted(LIBMOE_BLAS_CORES)) or '(none run)'}`")
     except (OSError, AttributeError):
         lines.append("- libmoe BLAS: (libopenblas.so.0 not loadable here)")
     lines.append(f"- threads: torch.set_num_threads({ARGS.threads}) (get_num_threads() = {torch.get_num_threads()}),"

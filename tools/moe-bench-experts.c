@@ -14,7 +14,9 @@
  * For each backend (default: every registered one that runs on the CPU) it warms up, times
  * --repeat calls of moe_experts_forward() with g_get_monotonic_time() and
  * prints one JSON object per line: backend, dtype, T, median_us, min_us,
- * runs, rel_err (‖out − ref‖ / ‖ref‖ in float64, null without a reference).
+ * runs, rel_err (‖out − ref‖ / ‖ref‖ in float64, null without a reference),
+ * blas_core (the kernels OpenBLAS runs in this process, as libmoe left it;
+ * null where the BLAS is another).
  *
  * --tokens runs the first T rows of the case for each listed T (tokens are
  * independent, so the first T rows of the reference are the reference).
@@ -34,8 +36,31 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <gmodule.h>
 #include <libmoe.h>
 
+
+/* The kernels OpenBLAS runs in this process (libmoe may have chosen them
+ * as it loaded), or NULL */
+static const char *
+blas_core (void)
+{
+  static const char *core;
+  static gsize once = 0;
+
+  if (g_once_init_enter (&once))
+    {
+      GModule *self = g_module_open (NULL, G_MODULE_BIND_LAZY);
+      char *(*corename) (void);
+
+      if (self != NULL && g_module_symbol (self, "openblas_get_corename", (gpointer *) &corename))
+        core = g_intern_string (corename ());
+      if (self != NULL)
+        g_module_close (self);
+      g_once_init_leave (&once, 1);
+    }
+  return core;
+}
 static char *opt_case;
 static char **opt_backends;
 static char *opt_dtype;
@@ -275,6 +300,11 @@ bench_one (MoeExperts  *experts,
     printf (", \"median_us\": null, \"min_us\": null");
   printf (", \"runs\": %u", times->len);
   print_double ("rel_err", rel, "%.3e");
+  printf (", \"blas_core\": ");
+  if (blas_core () != NULL)
+    printf ("\"%s\"", blas_core ());
+  else
+    printf ("null");
   printf ("}\n");
   fflush (stdout);
   return TRUE;
