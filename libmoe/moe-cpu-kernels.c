@@ -629,11 +629,9 @@ matmul_nn_part (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize k
 MOE_BODY void matmul_bf16_nt_body MATMUL_PART_PARAMS { matmul_nt_part (x, m, w, TRUE, k, y, ld, n0, n1); }
 MOE_BODY void matmul_f32_nt_body MATMUL_PART_PARAMS { matmul_nt_part (x, m, w, FALSE, k, y, ld, n0, n1); }
 MOE_BODY void matmul_bf16_nn_body MATMUL_PART_PARAMS { matmul_nn_part (x, m, w, TRUE, k, y, ld, n0, n1); }
-MOE_BODY void matmul_f32_nn_body MATMUL_PART_PARAMS { matmul_nn_part (x, m, w, FALSE, k, y, ld, n0, n1); }
 MOE_VARIANTS (matmul_bf16_nt, MATMUL_PART_PARAMS, (x, m, w, k, y, ld, n0, n1))
 MOE_VARIANTS (matmul_f32_nt, MATMUL_PART_PARAMS, (x, m, w, k, y, ld, n0, n1))
 MOE_VARIANTS (matmul_bf16_nn, MATMUL_PART_PARAMS, (x, m, w, k, y, ld, n0, n1))
-MOE_VARIANTS (matmul_f32_nn, MATMUL_PART_PARAMS, (x, m, w, k, y, ld, n0, n1))
 
 /* One few-row product with weights read in place, split over the threads
  * by outputs */
@@ -652,14 +650,12 @@ direct_matmul_part (gpointer data,
   const DirectMatmul *d = data;
   const MoeCpuMatrix *w = d->w;
 
-  if (w->dtype == MOE_DTYPE_BF16 && w->transposed)
-    MOE_DISPATCH (matmul_bf16_nn, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
-  else if (w->dtype == MOE_DTYPE_BF16)
-    MOE_DISPATCH (matmul_bf16_nt, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
-  else if (w->transposed)
-    MOE_DISPATCH (matmul_f32_nn, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
-  else
+  if (w->dtype == MOE_DTYPE_F32)
     MOE_DISPATCH (matmul_f32_nt, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
+  else if (w->transposed)
+    MOE_DISPATCH (matmul_bf16_nn, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
+  else
+    MOE_DISPATCH (matmul_bf16_nt, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
 }
 
 /* A matrix this small (in weights) is not worth the threads' hand-over
@@ -701,9 +697,13 @@ moe_cpu_matmul (const float        *x,
       return;
     }
 
-  /* few rows: bf16 weights in place (not widened), f32 from 2 rows (sgemv
-   * for one: OpenBLAS's own kernels, threaded) */
-  if ((w->dtype == MOE_DTYPE_BF16 || (w->dtype == MOE_DTYPE_F32 && m >= 2)) && m <= DIRECT_MAX_ROWS)
+  /* few rows: bf16 weights in place (not widened), and f32 [n, k] ones
+   * from 2 rows. One f32 row stays with sgemv: OpenBLAS's AVX-512 form
+   * streamed the weights ~15% faster than this AVX2 one (on an Emerald
+   * Rapids, f32 T = 1 2.7–3.2 against 3.6 ms). [k, n] f32 weights, whose
+   * in-place form adds into all of y's rows each input, stay with sgemm. */
+  if ((w->dtype == MOE_DTYPE_BF16 || (w->dtype == MOE_DTYPE_F32 && !w->transposed && m >= 2)) &&
+      m <= DIRECT_MAX_ROWS)
     {
       DirectMatmul d = { x, m, w, y };
       /* parts of 16 outputs: whole cache lines of y's rows */
