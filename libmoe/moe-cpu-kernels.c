@@ -551,82 +551,6 @@ load1_w (gconstpointer w, gsize i, gboolean bf16)
   return bf16 ? moe_bf16_to_f32 (((const guint16 *) w)[i]) : ((const float *) w)[i];
 }
 
-/* y[m, n] = x[m, k] · W[n, k]ᵀ with W (bf16 or f32) read in place: each
- * weight row is read once and used for all m rows (where sgemm would copy
- * the whole matrix into its panels for a few rows). Called with a constant
- * m so that the accumulators stay in registers; two weight rows at a time
- * for m ≤ 4 to keep more independent sums in flight. */
-MOE_BODY void
-matmul_nt_rows (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize n, gsize k, float *y, gsize ldy)
-{
-  gsize k8 = k & ~(gsize) 7;
-  gsize step = m <= 4 ? 2 : 1;
-  gsize j = 0;
-
-  for (; j + step <= n; j += step)
-    {
-      /* the loops over q and r unrolled whole, so that acc is registers
-       * (left as loops, GCC kept acc on the stack: a load and a store
-       * around every FMA, ~5 flops a cycle) */
-      v8f acc[2][DIRECT_MAX_ROWS];
-
-#pragma GCC unroll 2
-      for (gsize q = 0; q < step; q++)
-#pragma GCC unroll 8
-        for (gsize r = 0; r < m; r++)
-          acc[q][r] = (v8f) { 0, };
-      for (gsize i = 0; i < k8; i += 8)
-#pragma GCC unroll 2
-        for (gsize q = 0; q < step; q++)
-          {
-            v8f wv = load8_w (w, (j + q) * k + i, bf16);
-#pragma GCC unroll 8
-            for (gsize r = 0; r < m; r++)
-              acc[q][r] += load8_f32 (x + r * k + i) * wv;
-          }
-#pragma GCC unroll 2
-      for (gsize q = 0; q < step; q++)
-#pragma GCC unroll 8
-        for (gsize r = 0; r < m; r++)
-          {
-            float sum = hsum8 (acc[q][r]);
-            for (gsize i = k8; i < k; i++)
-              sum += x[r * k + i] * load1_w (w, (j + q) * k + i, bf16);
-            y[r * ldy + j + q] = sum;
-          }
-    }
-  for (; j < n; j++)
-    for (gsize r = 0; r < m; r++)
-      {
-        float sum = 0;
-        for (gsize i = 0; i < k; i++)
-          sum += x[r * k + i] * load1_w (w, j * k + i, bf16);
-        y[r * ldy + j] = sum;
-      }
-}
-
-/* Outputs [n0, n1) of y (rows @ldy apart): a part of the outputs is a
- * part of W's rows */
-MOE_BODY void
-matmul_nt_part (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize k, float *y, gsize ldy, gsize n0,
-                gsize n1)
-{
-  w = (const guint8 *) w + n0 * k * (bf16 ? 2 : 4), y += n0;
-  switch (m)
-    {
-    case 1: matmul_nt_rows (x, 1, w, bf16, n1 - n0, k, y, ldy); break;
-    case 2: matmul_nt_rows (x, 2, w, bf16, n1 - n0, k, y, ldy); break;
-    case 3: matmul_nt_rows (x, 3, w, bf16, n1 - n0, k, y, ldy); break;
-    case 4: matmul_nt_rows (x, 4, w, bf16, n1 - n0, k, y, ldy); break;
-    case 5: matmul_nt_rows (x, 5, w, bf16, n1 - n0, k, y, ldy); break;
-    case 6: matmul_nt_rows (x, 6, w, bf16, n1 - n0, k, y, ldy); break;
-    case 7: matmul_nt_rows (x, 7, w, bf16, n1 - n0, k, y, ldy); break;
-    default:
-      g_assert (m == DIRECT_MAX_ROWS);
-      matmul_nt_rows (x, DIRECT_MAX_ROWS, w, bf16, n1 - n0, k, y, ldy);
-    }
-}
-
 #ifdef MOE_HAVE_AVX2_VARIANTS
 typedef float   v16f   __attribute__ ((vector_size (64)));
 typedef guint16 v16u16 __attribute__ ((vector_size (32)));
@@ -667,79 +591,96 @@ hsum16 (v16f v)
   memcpy (&hi, (const char *) &v + sizeof lo, sizeof hi);
   return hsum8 (lo + hi);
 }
+#endif
 
-/* matmul_nt_rows, 16 inputs a step */
-MOE_BODY void
-matmul_nt_rows16 (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize n, gsize k, float *y, gsize ldy)
-{
-  gsize k16 = k & ~(gsize) 15;
-  gsize step = m <= 4 ? 2 : 1;
-  gsize j = 0;
-
-  for (; j + step <= n; j += step)
-    {
-      v16f acc[2][DIRECT_MAX_ROWS];
-
-#pragma GCC unroll 2
-      for (gsize q = 0; q < step; q++)
-#pragma GCC unroll 8
-        for (gsize r = 0; r < m; r++)
-          acc[q][r] = (v16f) { 0, };
-      for (gsize i = 0; i < k16; i += 16)
-#pragma GCC unroll 2
-        for (gsize q = 0; q < step; q++)
-          {
-            v16f wv = load16_w (w, (j + q) * k + i, bf16);
-#pragma GCC unroll 8
-            for (gsize r = 0; r < m; r++)
-              acc[q][r] += load16_f32 (x + r * k + i) * wv;
-          }
-#pragma GCC unroll 2
-      for (gsize q = 0; q < step; q++)
-#pragma GCC unroll 8
-        for (gsize r = 0; r < m; r++)
-          {
-            float sum = hsum16 (acc[q][r]);
-            for (gsize i = k16; i < k; i++)
-              sum += x[r * k + i] * load1_w (w, (j + q) * k + i, bf16);
-            y[r * ldy + j + q] = sum;
-          }
-    }
-  for (; j < n; j++)
-    for (gsize r = 0; r < m; r++)
-      {
-        float sum = 0;
-        for (gsize i = 0; i < k; i++)
-          sum += x[r * k + i] * load1_w (w, j * k + i, bf16);
-        y[r * ldy + j] = sum;
-      }
+/* y[m, n] = x[m, k] · W[n, k]ᵀ with W (bf16 or f32) read in place: each
+ * weight row is read once and used for all m rows (where sgemm would copy
+ * the whole matrix into its panels for a few rows), W inputs a step (V:
+ * vectors of W floats; LOAD_W, LOAD_X and HSUM of that width). Called with
+ * a constant m; the loops over q and r unrolled whole, so that acc is
+ * registers (left as loops, GCC kept acc on the stack: a load and a store
+ * around every FMA, ~5 flops a cycle); two weight rows at a time for m ≤ 4
+ * to keep more independent sums in flight. */
+#define DEFINE_MATMUL_NT_ROWS(NAME, V, W, LOAD_W, LOAD_X, HSUM)                                            \
+MOE_BODY void                                                                                              \
+NAME (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize n, gsize k, float *y, gsize ldy)      \
+{                                                                                                          \
+  gsize kw = k & ~(gsize) (W - 1);                                                                         \
+  gsize step = m <= 4 ? 2 : 1;                                                                             \
+  gsize j = 0;                                                                                             \
+                                                                                                           \
+  for (; j + step <= n; j += step)                                                                         \
+    {                                                                                                      \
+      V acc[2][DIRECT_MAX_ROWS];                                                                           \
+                                                                                                           \
+      _Pragma ("GCC unroll 2") for (gsize q = 0; q < step; q++)                                            \
+        _Pragma ("GCC unroll 8") for (gsize r = 0; r < m; r++)                                             \
+          acc[q][r] = (V) { 0, };                                                                          \
+      for (gsize i = 0; i < kw; i += W)                                                                    \
+        _Pragma ("GCC unroll 2") for (gsize q = 0; q < step; q++)                                          \
+          {                                                                                                \
+            V wv = LOAD_W (w, (j + q) * k + i, bf16);                                                      \
+            _Pragma ("GCC unroll 8") for (gsize r = 0; r < m; r++)                                         \
+              acc[q][r] += LOAD_X (x + r * k + i) * wv;                                                    \
+          }                                                                                                \
+      _Pragma ("GCC unroll 2") for (gsize q = 0; q < step; q++)                                            \
+        _Pragma ("GCC unroll 8") for (gsize r = 0; r < m; r++)                                             \
+          {                                                                                                \
+            float sum = HSUM (acc[q][r]);                                                                  \
+            for (gsize i = kw; i < k; i++)                                                                 \
+              sum += x[r * k + i] * load1_w (w, (j + q) * k + i, bf16);                                    \
+            y[r * ldy + j + q] = sum;                                                                      \
+          }                                                                                                \
+    }                                                                                                      \
+  for (; j < n; j++)                                                                                       \
+    for (gsize r = 0; r < m; r++)                                                                          \
+      {                                                                                                    \
+        float sum = 0;                                                                                     \
+        for (gsize i = 0; i < k; i++)                                                                      \
+          sum += x[r * k + i] * load1_w (w, j * k + i, bf16);                                              \
+        y[r * ldy + j] = sum;                                                                              \
+      }                                                                                                    \
 }
 
-/* m and the weights' type as constants in each call, as matmul_nt_part */
-#define MATMUL_NT16_CASES(BF16)                                                                  \
-  switch (m)                                                                                     \
-    {                                                                                            \
-    case 1: matmul_nt_rows16 (x, 1, w, BF16, n1 - n0, k, y, ldy); break;                        \
-    case 2: matmul_nt_rows16 (x, 2, w, BF16, n1 - n0, k, y, ldy); break;                        \
-    case 3: matmul_nt_rows16 (x, 3, w, BF16, n1 - n0, k, y, ldy); break;                        \
-    case 4: matmul_nt_rows16 (x, 4, w, BF16, n1 - n0, k, y, ldy); break;                        \
-    case 5: matmul_nt_rows16 (x, 5, w, BF16, n1 - n0, k, y, ldy); break;                        \
-    case 6: matmul_nt_rows16 (x, 6, w, BF16, n1 - n0, k, y, ldy); break;                        \
-    case 7: matmul_nt_rows16 (x, 7, w, BF16, n1 - n0, k, y, ldy); break;                        \
-    default:                                                                                     \
-      g_assert (m == DIRECT_MAX_ROWS);                                                           \
-      matmul_nt_rows16 (x, DIRECT_MAX_ROWS, w, BF16, n1 - n0, k, y, ldy);                        \
-    }
+/* Outputs [n0, n1) of y (rows @ldy apart) by ROWS, with m a constant in
+ * each call: a part of the outputs is a part of W's rows */
+#define DEFINE_MATMUL_NT_PART(NAME, ROWS)                                                                  \
+MOE_BODY void                                                                                              \
+NAME (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize k, float *y, gsize ldy, gsize n0,     \
+      gsize n1)                                                                                            \
+{                                                                                                          \
+  w = (const guint8 *) w + n0 * k * (bf16 ? 2 : 4), y += n0;                                               \
+  switch (m)                                                                                               \
+    {                                                                                                      \
+    case 1: ROWS (x, 1, w, bf16, n1 - n0, k, y, ldy); break;                                               \
+    case 2: ROWS (x, 2, w, bf16, n1 - n0, k, y, ldy); break;                                               \
+    case 3: ROWS (x, 3, w, bf16, n1 - n0, k, y, ldy); break;                                               \
+    case 4: ROWS (x, 4, w, bf16, n1 - n0, k, y, ldy); break;                                               \
+    case 5: ROWS (x, 5, w, bf16, n1 - n0, k, y, ldy); break;                                               \
+    case 6: ROWS (x, 6, w, bf16, n1 - n0, k, y, ldy); break;                                               \
+    case 7: ROWS (x, 7, w, bf16, n1 - n0, k, y, ldy); break;                                               \
+    default:                                                                                               \
+      g_assert (m == DIRECT_MAX_ROWS);                                                                     \
+      ROWS (x, DIRECT_MAX_ROWS, w, bf16, n1 - n0, k, y, ldy);                                              \
+    }                                                                                                      \
+}
 
+DEFINE_MATMUL_NT_ROWS (matmul_nt_rows, v8f, 8, load8_w, load8_f32, hsum8)
+DEFINE_MATMUL_NT_PART (matmul_nt_part, matmul_nt_rows)
+
+#ifdef MOE_HAVE_AVX2_VARIANTS
+DEFINE_MATMUL_NT_ROWS (matmul_nt_rows16, v16f, 16, load16_w, load16_f32, hsum16)
+DEFINE_MATMUL_NT_PART (matmul_nt_part16, matmul_nt_rows16)
+
+/* the weights' type a constant in each call, as in matmul_bf16_nt's */
 MOE_AVX512 static void
 matmul_nt_part_avx512 (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize k, float *y, gsize ldy,
                        gsize n0, gsize n1)
 {
-  w = (const guint8 *) w + n0 * k * (bf16 ? 2 : 4), y += n0;
   if (bf16)
-    MATMUL_NT16_CASES (TRUE)
+    matmul_nt_part16 (x, m, w, TRUE, k, y, ldy, n0, n1);
   else
-    MATMUL_NT16_CASES (FALSE)
+    matmul_nt_part16 (x, m, w, FALSE, k, y, ldy, n0, n1);
 }
 #endif
 
