@@ -16,8 +16,9 @@
 #endif
 #include <gmodule.h>
 
-/* Rows up to this count multiply half-precision weights in place; above it
- * the expert's matrix is widened once into scratch so that sgemm can run. */
+/* Rows up to this count multiply bf16 weights (and f32 [n, k] ones, from 2
+ * rows) in place; above it a half-precision matrix is widened once into
+ * scratch so that sgemm can run. */
 #define DIRECT_MAX_ROWS 8
 
 /* The hot loops are written once as always-inline bodies and compiled
@@ -421,8 +422,8 @@ get_scratch (gsize n)
 
 /* ---- work split over the cores ------------------------------------------
  *
- * The half-precision matmuls libmoe runs itself (few rows: weights read in
- * place; more: the widening before sgemm) split their outputs over as
+ * The matmul work libmoe does itself (few rows: weights read in place;
+ * more: half-precision weights widened before sgemm) is split over as
  * many threads as OpenBLAS runs its own with (OPENBLAS_NUM_THREADS; the
  * processors where the BLAS is not OpenBLAS), so that "the same cores" is
  * one setting. The workers block between jobs rather than spin: on a
