@@ -65,12 +65,31 @@ cpu_has_avx512 (void)
   if (has < 0)
     {
       __builtin_cpu_init ();
+      /* what OpenBLAS's SkylakeX kernels need too (moe_cpu_choose_blas_core) */
       has = __builtin_cpu_supports ("avx512f") && __builtin_cpu_supports ("avx512bw") &&
-            __builtin_cpu_supports ("avx512vl");
+            __builtin_cpu_supports ("avx512dq") && __builtin_cpu_supports ("avx512vl") &&
+            __builtin_cpu_supports ("avx512cd");
     }
   return has;
 }
 #endif
+
+/* A function OpenBLAS exports, looked up in the process (libmoe may be
+ * linked with another BLAS), or NULL */
+static gpointer
+openblas_symbol (const char *name)
+{
+  GModule *self = g_module_open (NULL, G_MODULE_BIND_LAZY);
+  gpointer fn = NULL;
+
+  if (self != NULL)
+    {
+      if (!g_module_symbol (self, name, &fn))
+        fn = NULL;
+      g_module_close (self);   /* the program's own handle: nothing is unloaded */
+    }
+  return fn;
+}
 
 /* OpenBLAS built for several CPUs (DYNAMIC_ARCH, as distributions ship
  * it) picks its kernels by the CPU's model number, and a release older
@@ -85,40 +104,21 @@ cpu_has_avx512 (void)
  * safe to change beside other threads); a process that runs OpenBLAS
  * from another thread at that moment should set OPENBLAS_CORETYPE itself. */
 #if defined(MOE_HAVE_AVX2_VARIANTS) && defined(G_OS_UNIX)
-static const char *
-blas_core_for_cpu (void)
-{
-  __builtin_cpu_init ();
-  if (__builtin_cpu_supports ("avx512f") && __builtin_cpu_supports ("avx512bw") &&
-      __builtin_cpu_supports ("avx512dq") && __builtin_cpu_supports ("avx512vl") &&
-      __builtin_cpu_supports ("avx512cd"))
-    return "SkylakeX";
-  if (__builtin_cpu_supports ("avx2") && __builtin_cpu_supports ("fma"))
-    return "Haswell";
-  return NULL;
-}
-
 __attribute__ ((constructor)) static void
 moe_cpu_choose_blas_core (void)
 {
-  GModule *self = g_module_open (NULL, G_MODULE_BIND_LAZY);
-  char *(*corename) (void);
-  void (*dispatch_quit) (void), (*dispatch_init) (void);
-  const char *core;
+  char *(*corename) (void) = openblas_symbol ("openblas_get_corename");
+  void (*dispatch_quit) (void) = openblas_symbol ("gotoblas_dynamic_quit");
+  void (*dispatch_init) (void) = openblas_symbol ("gotoblas_dynamic_init");
+  const char *core = cpu_has_avx512 () ? "SkylakeX" : cpu_has_avx2_fma () ? "Haswell" : NULL;
 
-  if (self == NULL)
-    return;
-  if (g_getenv ("OPENBLAS_CORETYPE") == NULL &&
-      g_module_symbol (self, "openblas_get_corename", (gpointer *) &corename) &&
-      g_module_symbol (self, "gotoblas_dynamic_quit", (gpointer *) &dispatch_quit) &&
-      g_module_symbol (self, "gotoblas_dynamic_init", (gpointer *) &dispatch_init) &&
-      g_strcmp0 (corename (), "Prescott") == 0 && (core = blas_core_for_cpu ()) != NULL)
+  if (corename != NULL && dispatch_quit != NULL && dispatch_init != NULL && core != NULL &&
+      g_getenv ("OPENBLAS_CORETYPE") == NULL && g_strcmp0 (corename (), "Prescott") == 0)
     {
       g_setenv ("OPENBLAS_CORETYPE", core, FALSE);
       dispatch_quit ();
       dispatch_init ();
     }
-  g_module_close (self);
 }
 #endif
 
@@ -483,16 +483,9 @@ workers_init (void)
 
   if (g_once_init_enter (&once))
     {
-      GModule *self = g_module_open (NULL, G_MODULE_BIND_LAZY);
-      int (*blas_threads) (void) = NULL;
-      guint n = g_get_num_processors ();
+      int (*blas_threads) (void) = openblas_symbol ("openblas_get_num_threads");
+      guint n = blas_threads != NULL && blas_threads () > 0 ? (guint) blas_threads () : g_get_num_processors ();
 
-      if (self != NULL)
-        {
-          if (g_module_symbol (self, "openblas_get_num_threads", (gpointer *) &blas_threads) && blas_threads () > 0)
-            n = blas_threads ();
-          g_module_close (self);
-        }
       n_threads = CLAMP (n, 1, MAX_THREADS);
       if (n_threads > 1)
         workers = g_thread_pool_new (worker_run, NULL, (int) n_threads - 1, FALSE, NULL);
@@ -502,17 +495,28 @@ workers_init (void)
     }
 }
 
+/* Work of fewer weights than this is not worth the threads' hand-over
+ * (~10-20 µs) */
+#define PARALLEL_MIN_WEIGHTS ((gsize) 1 << 18)
+
 /* fn (data, begin, end) over [0, n) in parts of whole @grain-sized steps,
- * one a thread, this thread taking the first; returns when all are done */
+ * one a thread, this thread taking the first, where the call reads
+ * @weights weights or more; returns when all are done */
 static void
 parallel_for (gsize     n,
               gsize     grain,
+              gsize     weights,
               RangeFunc fn,
               gpointer  data)
 {
   Job job = { fn, data, n, grain, 1, 0, };
   JobPart parts[MAX_THREADS];
 
+  if (weights < PARALLEL_MIN_WEIGHTS)
+    {
+      fn (data, 0, n);
+      return;
+    }
   workers_init ();
   job.parts = (guint) MIN ((gsize) n_threads, (n + grain - 1) / MAX (grain, 1));
   if (job.parts <= 1)
@@ -739,6 +743,7 @@ direct_matmul_part (gpointer data,
   const DirectMatmul *d = data;
   const MoeCpuMatrix *w = d->w;
 
+  g_assert (w->dtype == MOE_DTYPE_BF16 || !w->transposed);   /* moe_cpu_matmul keeps f32 [k, n] on sgemm */
 #ifdef MOE_HAVE_AVX2_VARIANTS
   if (!w->transposed && cpu_has_avx512 ())
     matmul_nt_part_avx512 (d->x, d->m, w->data, w->dtype == MOE_DTYPE_BF16, w->k, d->y, w->n, n0, n1);
@@ -751,10 +756,6 @@ direct_matmul_part (gpointer data,
   else
     MOE_DISPATCH (matmul_bf16_nt, d->x, d->m, w->data, w->k, d->y, w->n, n0, n1);
 }
-
-/* A matrix this small (in weights) is not worth the threads' hand-over
- * (~10-20 µs) */
-#define PARALLEL_MIN_WEIGHTS ((gsize) 1 << 18)
 
 /* moe_cpu_convert of n values, split over the threads */
 typedef struct {
@@ -801,10 +802,7 @@ moe_cpu_matmul (const float        *x,
     {
       DirectMatmul d = { x, m, w, y };
       /* parts of 16 outputs: whole cache lines of y's rows */
-      if (w->n * w->k >= PARALLEL_MIN_WEIGHTS)
-        parallel_for (w->n, 16, direct_matmul_part, &d);
-      else
-        direct_matmul_part (&d, 0, w->n);
+      parallel_for (w->n, 16, w->n * w->k, direct_matmul_part, &d);
       return;
     }
 
@@ -814,10 +812,7 @@ moe_cpu_matmul (const float        *x,
     {
       float *s = get_scratch (w->n * w->k);
       Convert c = { w->dtype, MOE_DTYPE_F32, w->data, s };
-      if (w->n * w->k >= PARALLEL_MIN_WEIGHTS)
-        parallel_for (w->n * w->k, 4096, convert_part, &c);
-      else
-        convert_part (&c, 0, w->n * w->k);
+      parallel_for (w->n * w->k, 4096, w->n * w->k, convert_part, &c);
       wf = s;
     }
 

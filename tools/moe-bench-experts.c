@@ -39,7 +39,6 @@
 #include <gmodule.h>
 #include <libmoe.h>
 
-
 /* The kernels OpenBLAS runs in this process (libmoe may have chosen them
  * as it loaded), or NULL */
 static const char *
@@ -61,6 +60,7 @@ blas_core (void)
     }
   return core;
 }
+
 static char *opt_case;
 static char **opt_backends;
 static char *opt_dtype;
