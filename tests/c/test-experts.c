@@ -6,6 +6,7 @@
 #include <gmodule.h>
 #include <libmoe.h>
 #include <moe-plugin.h>
+#include <moe-cpu-kernels.h>
 
 #include "moe-test-util.h"
 #include "moe-test-experts-fixture.h"
@@ -354,6 +355,76 @@ test_blas_core (void)
 #endif
 }
 
+/* moe_cpu_matmul against the product computed in float64, element by
+ * element, over the shapes its kernels treat apart: 1 to 70 rows (the
+ * tiles' row remainders, blocks of 64 rows), output counts that leave
+ * partial tiles, inputs that end in a short chunk (k not a multiple of
+ * 32), both weight layouts and dtypes, and products big enough to be
+ * split over the threads */
+static void
+test_cpu_matmul (void)
+{
+  static const struct { gsize n, k; } shapes[] = { { 7, 40 }, { 53, 96 }, { 600, 520 }, { 130, 2048 } };
+  static const gsize rows[] = { 1, 2, 3, 4, 5, 7, 8, 9, 13, 34, 64, 70 };
+  GRand *rand = g_rand_new_with_seed (1234);
+
+  for (guint s = 0; s < G_N_ELEMENTS (shapes); s++)
+    for (guint dt = 0; dt < 2; dt++)
+      for (guint tr = 0; tr < 2; tr++)
+        {
+          gsize n = shapes[s].n, k = shapes[s].k, mmax = rows[G_N_ELEMENTS (rows) - 1];
+          MoeDType dtype = dt == 0 ? MOE_DTYPE_F32 : MOE_DTYPE_BF16;
+          double *wd = g_new (double, n * k);
+          gpointer data = g_malloc (n * k * moe_dtype_get_size (dtype));
+          float *x = g_new (float, mmax * k);
+          float *y = g_new (float, mmax * n);
+          MoeCpuMatrix w = { .dtype = dtype, .data = data, .n = n, .k = k, .transposed = tr };
+
+          /* wd[j * k + i]: weight of output j, input i, in either layout */
+          for (gsize j = 0; j < n; j++)
+            for (gsize i = 0; i < k; i++)
+              {
+                float v = (float) g_rand_double_range (rand, -1, 1);
+                gsize at = tr ? i * n + j : j * k + i;
+                if (dtype == MOE_DTYPE_BF16)
+                  {
+                    ((guint16 *) data)[at] = moe_f32_to_bf16 (v);
+                    v = moe_bf16_to_f32 (((guint16 *) data)[at]);
+                  }
+                else
+                  ((float *) data)[at] = v;
+                wd[j * k + i] = v;
+              }
+          for (gsize i = 0; i < mmax * k; i++)
+            x[i] = (float) g_rand_double_range (rand, -1, 1);
+
+          for (guint r = 0; r < G_N_ELEMENTS (rows); r++)
+            {
+              gsize m = rows[r];
+              double err = 0, ref = 0;
+
+              moe_cpu_matmul (x, m, &w, y);
+              for (gsize a = 0; a < m; a++)
+                for (gsize j = 0; j < n; j++)
+                  {
+                    double sum = 0;
+                    for (gsize i = 0; i < k; i++)
+                      sum += (double) x[a * k + i] * wd[j * k + i];
+                    err += (y[a * n + j] - sum) * (y[a * n + j] - sum);
+                    ref += sum * sum;
+                  }
+              g_test_message ("m %zu n %zu k %zu %s%s: rel error %.2g", m, n, k, moe_dtype_get_name (dtype),
+                              tr ? " [k, n]" : "", sqrt (err / ref));
+              g_assert_cmpfloat (sqrt (err / ref), <=, 1e-5);
+            }
+          g_free (wd);
+          g_free (data);
+          g_free (x);
+          g_free (y);
+        }
+  g_rand_free (rand);
+}
+
 int
 main (int argc, char *argv[])
 {
@@ -375,6 +446,7 @@ main (int argc, char *argv[])
   g_test_add_func ("/experts/properties", test_properties);
   g_test_add_func ("/experts/to-device", test_to_device);
   g_test_add_func ("/experts/blas-core", test_blas_core);
+  g_test_add_func ("/experts/cpu-matmul", test_cpu_matmul);
 
   return g_test_run ();
 }
