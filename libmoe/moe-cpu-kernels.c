@@ -668,10 +668,14 @@ matmul_nt_part (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize k
  * 2048: L2), each block passing over the part of W; so many rows are
  * not read from L3 again for every tile of W */
 #define TILE_BLOCK_ROWS 64
+/* and W's inputs this many bytes of a tile at a time (2048 bf16 inputs,
+ * 1024 f32), a tile's weights staying in L1 (48 KiB) while the rows
+ * pass: f32 tiles of whole 2048-input rows (48 KiB) did not */
+#define TILE_BLOCK_BYTES (24 * 1024)
 
 /* Rows of x as matmul_tiles reads them: @kp (k rounded up to whole
  * chunks) apart, zero past k; with bf16 weights each chunk holds its 16
- * even inputs then its 16 odd ones, the order load_w_chunk splits 32 bf16
+ * even inputs then its 16 odd ones, the order load_w_half splits 32 bf16
  * weights in (f32 weights: the inputs in order) */
 static void
 pack_rows (const float *x,
@@ -725,7 +729,8 @@ load_w_half (gconstpointer w,
 /* One chunk of a tile's inputs, from @i: @count (a constant where
  * called) of them. Its two halves go one after the other, the weights read
  * again for the second (from L1), so that 24 sums, 6 weight vectors and an
- * input fit the 32 registers (holding both halves, GCC spilled sums). */
+ * input about fit the 32 registers (holding both halves' weights, GCC
+ * spilled many more sums). */
 MOE_BODY void
 matmul_tile_chunk (v16f           acc[TILE_ROWS][TILE_COLS],
                    const float   *xp,
@@ -742,49 +747,74 @@ matmul_tile_chunk (v16f           acc[TILE_ROWS][TILE_COLS],
     {
       v16f wv[TILE_COLS];
 
-      _Pragma ("GCC unroll 6") for (gsize q = 0; q < cols; q++)
+      _Pragma ("GCC unroll 8") for (gsize q = 0; q < cols; q++)
         wv[q] = load_w_half ((const guint8 *) w + q * ldw, i, count, bf16, half);
-      _Pragma ("GCC unroll 4") for (gsize r = 0; r < rows; r++)
+      _Pragma ("GCC unroll 8") for (gsize r = 0; r < rows; r++)
         {
           v16f xv = load16_f32 (xp + r * kp + i + half * (TILE_CHUNK / 2));
-          _Pragma ("GCC unroll 6") for (gsize q = 0; q < cols; q++)
+          _Pragma ("GCC unroll 8") for (gsize q = 0; q < cols; q++)
             acc[r][q] += xv * wv[q];
         }
     }
 }
 
-/* One tile: @rows (≤ TILE_ROWS) rows of packed x times @cols (≤ TILE_COLS)
- * rows of W from @w, into y (@ldy apart); both constants where called */
+/* One tile: @rows (≤ TILE_ROWS) rows of packed x (@kp apart) times @cols
+ * (≤ TILE_COLS) rows of W from @w (@ldw bytes apart), @k inputs of each,
+ * into y (@ldy apart), or added to it; rows and cols constants where
+ * called */
 MOE_BODY void
 matmul_tile (const float   *xp,
              gsize          kp,
              gconstpointer  w,
+             gsize          ldw,
              gboolean       bf16,
              gsize          k,
              gsize          rows,
              gsize          cols,
+             gboolean       add,
              float         *y,
              gsize          ldy)
 {
-  gsize ldw = k * (bf16 ? sizeof (guint16) : sizeof (float));
   gsize whole = k / TILE_CHUNK * TILE_CHUNK;
   v16f acc[TILE_ROWS][TILE_COLS];
 
-  _Pragma ("GCC unroll 4") for (gsize r = 0; r < rows; r++)
-    _Pragma ("GCC unroll 6") for (gsize q = 0; q < cols; q++)
+  _Pragma ("GCC unroll 8") for (gsize r = 0; r < rows; r++)
+    _Pragma ("GCC unroll 8") for (gsize q = 0; q < cols; q++)
       acc[r][q] = (v16f) { 0, };
   for (gsize i = 0; i < whole; i += TILE_CHUNK)
     matmul_tile_chunk (acc, xp, kp, w, ldw, bf16, i, TILE_CHUNK, rows, cols);
   /* a short last chunk: the weights not read past the row's end */
   if (whole < k)
     matmul_tile_chunk (acc, xp, kp, w, ldw, bf16, whole, k - whole, rows, cols);
-  _Pragma ("GCC unroll 4") for (gsize r = 0; r < rows; r++)
-    _Pragma ("GCC unroll 6") for (gsize q = 0; q < cols; q++)
-      y[r * ldy + q] = hsum16 (acc[r][q]);
+  _Pragma ("GCC unroll 8") for (gsize r = 0; r < rows; r++)
+    _Pragma ("GCC unroll 8") for (gsize q = 0; q < cols; q++)
+      y[r * ldy + q] = (add ? y[r * ldy + q] : 0.0f) + hsum16 (acc[r][q]);
 }
 
-#define MATMUL_TILE_ROWS(ROWS, COLS) \
-  matmul_tile (xp + r * kp, kp, wj, bf16, k, ROWS, COLS, y + r * ldy + j, ldy)
+/* matmul_tile with @rows (≤ TILE_ROWS) a constant in each call; @cols
+ * one where called */
+MOE_BODY void
+matmul_tile_rows (const float   *xp,
+                  gsize          kp,
+                  gconstpointer  w,
+                  gsize          ldw,
+                  gboolean       bf16,
+                  gsize          k,
+                  gsize          rows,
+                  gsize          cols,
+                  gboolean       add,
+                  float         *y,
+                  gsize          ldy)
+{
+  G_STATIC_ASSERT (TILE_ROWS == 4);   /* the cases below */
+  switch (rows)
+    {
+    case 1: matmul_tile (xp, kp, w, ldw, bf16, k, 1, cols, add, y, ldy); break;
+    case 2: matmul_tile (xp, kp, w, ldw, bf16, k, 2, cols, add, y, ldy); break;
+    case 3: matmul_tile (xp, kp, w, ldw, bf16, k, 3, cols, add, y, ldy); break;
+    default: matmul_tile (xp, kp, w, ldw, bf16, k, TILE_ROWS, cols, add, y, ldy);
+    }
+}
 
 /* Outputs [n0, n1) of y[m, n] (rows @ldy apart) from x packed by pack_rows */
 MOE_BODY void
@@ -799,34 +829,33 @@ matmul_tiles (const float   *xp,
               gsize          n1)
 {
   gsize kp = (k + TILE_CHUNK - 1) / TILE_CHUNK * TILE_CHUNK;
-  gsize esize = bf16 ? sizeof (guint16) : sizeof (float);
+  gsize esize = bf16 ? sizeof (guint16) : sizeof (float), ldw = k * esize;
+  gsize block = TILE_BLOCK_BYTES / (TILE_COLS * esize) / TILE_CHUNK * TILE_CHUNK;
 
   for (gsize r0 = 0; r0 < m; r0 += TILE_BLOCK_ROWS)
-    for (gsize j = n0; j < n1;)
+    for (gsize i0 = 0; i0 < k; i0 += block)
       {
-        gconstpointer wj = (const guint8 *) w + j * k * esize;
-        gboolean whole = j + TILE_COLS <= n1;
-        gsize end = MIN (m, r0 + TILE_BLOCK_ROWS), r = r0;
+        gsize end = MIN (m, r0 + TILE_BLOCK_ROWS), kc = MIN (block, k - i0);
 
-        for (; r + TILE_ROWS <= end; r += TILE_ROWS)
-          if (whole)
-            MATMUL_TILE_ROWS (TILE_ROWS, TILE_COLS);
-          else
-            MATMUL_TILE_ROWS (TILE_ROWS, 1);
-        switch ((end - r) + (whole ? 0 : TILE_ROWS))
+        for (gsize j = n0; j < n1;)
           {
-          case 1: MATMUL_TILE_ROWS (1, TILE_COLS); break;
-          case 2: MATMUL_TILE_ROWS (2, TILE_COLS); break;
-          case 3: MATMUL_TILE_ROWS (3, TILE_COLS); break;
-          case TILE_ROWS + 1: MATMUL_TILE_ROWS (1, 1); break;
-          case TILE_ROWS + 2: MATMUL_TILE_ROWS (2, 1); break;
-          case TILE_ROWS + 3: MATMUL_TILE_ROWS (3, 1); break;
-          default: break;
+            gconstpointer wj = (const guint8 *) w + j * ldw + i0 * esize;
+            gboolean whole = j + TILE_COLS <= n1;
+
+            for (gsize r = r0; r < end; r += TILE_ROWS)
+              {
+                const float *xr = xp + r * kp + i0;
+                gsize rows = MIN (TILE_ROWS, end - r);
+
+                if (whole)
+                  matmul_tile_rows (xr, kp, wj, ldw, bf16, kc, rows, TILE_COLS, i0 > 0, y + r * ldy + j, ldy);
+                else
+                  matmul_tile_rows (xr, kp, wj, ldw, bf16, kc, rows, 1, i0 > 0, y + r * ldy + j, ldy);
+              }
+            j += whole ? TILE_COLS : 1;
           }
-        j += whole ? TILE_COLS : 1;
       }
 }
-#undef MATMUL_TILE_ROWS
 
 /* the weights' type a constant in each call */
 MOE_AVX512 static void

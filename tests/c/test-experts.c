@@ -359,12 +359,13 @@ test_blas_core (void)
  * element, over the shapes its kernels treat apart: 1 to 70 rows (the
  * tiles' row remainders, blocks of 64 rows), output counts that leave
  * partial tiles, inputs that end in a short chunk (k not a multiple of
- * 32), both weight layouts and dtypes, and products big enough to be
- * split over the threads */
+ * 32) and that take several blocks (f32 from 1025, bf16 from 2049), both
+ * weight layouts and dtypes, and products big enough to be split over the
+ * threads */
 static void
 test_cpu_matmul (void)
 {
-  static const struct { gsize n, k; } shapes[] = { { 7, 40 }, { 53, 96 }, { 600, 520 }, { 130, 2048 } };
+  static const struct { gsize n, k; } shapes[] = { { 7, 40 }, { 53, 96 }, { 600, 520 }, { 130, 2048 }, { 20, 2100 } };
   static const gsize rows[] = { 1, 2, 3, 4, 5, 7, 8, 9, 13, 34, 64, 70 };
   GRand *rand = g_rand_new_with_seed (1234);
 
