@@ -31,6 +31,31 @@
 #endif
 
 #ifdef MOE_HAVE_AVX2_VARIANTS
+/* MOE_CPU_ISA caps the instruction sets of libmoe's own CPU kernels (and
+ * of the OpenBLAS kernels it picks): "avx2" (no AVX-512) or "baseline"
+ * (no AVX2 either), to compare the forms or test each on one machine;
+ * "avx512" or unset: all the CPU runs. Returns 2, 1 or 0. */
+static int
+cpu_isa_cap (void)
+{
+  static int cap = -1;
+  if (cap < 0)
+    {
+      const char *isa = g_getenv ("MOE_CPU_ISA");
+      if (g_strcmp0 (isa, "baseline") == 0)
+        cap = 0;
+      else if (g_strcmp0 (isa, "avx2") == 0)
+        cap = 1;
+      else
+        {
+          if (isa != NULL && strcmp (isa, "avx512") != 0)
+            g_warning ("MOE_CPU_ISA=%s ignored: valid values are avx512, avx2 and baseline", isa);
+          cap = 2;
+        }
+    }
+  return cap;
+}
+
 static gboolean
 cpu_has_avx2_fma (void)
 {
@@ -38,7 +63,7 @@ cpu_has_avx2_fma (void)
   if (has < 0)
     {
       __builtin_cpu_init ();
-      has = __builtin_cpu_supports ("avx2") && __builtin_cpu_supports ("fma");
+      has = cpu_isa_cap () >= 1 && __builtin_cpu_supports ("avx2") && __builtin_cpu_supports ("fma");
     }
   return has;
 }
@@ -67,7 +92,7 @@ cpu_has_avx512 (void)
     {
       __builtin_cpu_init ();
       /* what OpenBLAS's SkylakeX kernels need too (moe_cpu_choose_blas_core) */
-      has = __builtin_cpu_supports ("avx512f") && __builtin_cpu_supports ("avx512bw") &&
+      has = cpu_isa_cap () >= 2 && __builtin_cpu_supports ("avx512f") && __builtin_cpu_supports ("avx512bw") &&
             __builtin_cpu_supports ("avx512dq") && __builtin_cpu_supports ("avx512vl") &&
             __builtin_cpu_supports ("avx512cd");
     }
@@ -659,230 +684,95 @@ matmul_nt_part (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize k
 }
 
 #ifdef MOE_HAVE_AVX2_VARIANTS
-/* ---- the AVX-512 product: tiles of rows × weight rows --------------------
+/* ---- the tiled product: rows × weight rows in registers -----------------
  *
- * y[m, n] = x[m, k] · W[n, k]ᵀ for any m, W (bf16 or f32) read in place:
- * a tile of TILE_ROWS rows of x and TILE_COLS rows of W keeps its 24 sums
- * in registers, each weight vector serving 4 rows and each input vector 6
- * weight rows; a part of W's rows is walked tile by tile, its tile of W
- * staying in L1 while every row of x passes. Where sgemm needs the bf16
- * weights widened into an f32 copy first, this reads them once as they
- * are: on the 2-core Emerald Rapids one 34 × 2816 × 2048 product took 4.3
- * ms against 9.4 for widening + sgemm (one thread; BENCHMARKS.md). */
-#define TILE_ROWS 4
-#define TILE_COLS 6
-/* inputs a step: one 64-byte vector of bf16 weights */
-#define TILE_CHUNK 32
+ * y[m, n] = x[m, k] · W[n, k]ᵀ for any m, bf16 or f32 W read in place, in
+ * tiles whose sums stay in registers (moe-cpu-tiles.inc), one form for
+ * AVX-512 and one for AVX2. Where sgemm needs bf16 weights widened into an
+ * f32 copy first, this reads them once as they are: on the 2-core Emerald
+ * Rapids one 34 × 2816 × 2048 product took 4.3 ms against 9.4 for
+ * widening + sgemm (one thread), and a bf16 Qwen1.5-MoE layer at T = 512
+ * 0.32 against 0.67 s (BENCHMARKS.md). */
+
 /* x's rows are taken this many at a time (512 KiB of packed inputs at k =
  * 2048: L2), each block passing over the part of W; so many rows are
  * not read from L3 again for every tile of W */
 #define TILE_BLOCK_ROWS 64
-/* and W's inputs this many bytes of a tile at a time (2048 bf16 inputs,
- * 1024 f32), a tile's weights staying in L1 (48 KiB) while the rows
- * pass: f32 tiles of whole 2048-input rows (48 KiB) did not */
+/* and W's inputs this many bytes of a tile at a time (AVX-512: 2048 bf16
+ * inputs, 1024 f32), a tile's weights staying in L1 while the rows pass:
+ * f32 tiles of whole 2048-input rows (48 KiB) did not */
 #define TILE_BLOCK_BYTES (24 * 1024)
 
-/* Rows of x as matmul_tiles reads them: @kp (k rounded up to whole
- * chunks) apart, zero past k; with bf16 weights each chunk holds its 16
- * even inputs then its 16 odd ones, the order load_w_half splits 32 bf16
- * weights in (f32 weights: the inputs in order) */
+/* Rows of x as the tiles read them: @kp (k rounded up to whole chunks of
+ * @chunk inputs) apart, zero past k; with bf16 weights each chunk holds
+ * its even inputs then its odd ones, the order load_w_half splits a
+ * vector of bf16 weights in (f32 weights: the inputs in order) */
 static void
 pack_rows (const float *x,
            gsize        m,
            gsize        k,
            gboolean     bf16,
+           gsize        chunk,
            float       *xp)
 {
-  gsize kp = (k + TILE_CHUNK - 1) / TILE_CHUNK * TILE_CHUNK;
+  gsize kp = (k + chunk - 1) / chunk * chunk;
 
   for (gsize r = 0; r < m; r++)
-    for (gsize c = 0; c < kp; c += TILE_CHUNK)
-      for (gsize l = 0; l < TILE_CHUNK / 2; l++)
+    for (gsize c = 0; c < kp; c += chunk)
+      for (gsize l = 0; l < chunk / 2; l++)
         {
           gsize even = bf16 ? c + 2 * l : c + l;
-          gsize odd = bf16 ? c + 2 * l + 1 : c + TILE_CHUNK / 2 + l;
+          gsize odd = bf16 ? c + 2 * l + 1 : c + chunk / 2 + l;
 
           xp[r * kp + c + l] = even < k ? x[r * k + even] : 0.0f;
-          xp[r * kp + c + TILE_CHUNK / 2 + l] = odd < k ? x[r * k + odd] : 0.0f;
+          xp[r * kp + c + chunk / 2 + l] = odd < k ? x[r * k + odd] : 0.0f;
         }
 }
 
-/* Half @half (0 or 1) of the @count (≤ 32) weights of a row from element
- * @i, as floats in pack_rows' order, zero past @count. A bf16 chunk is
- * read as 32-bit lanes of two weights each: the low one is the lane
- * shifted left 16, the high one the lane masked — one instruction for 16
- * weights, where vpmovzxwd and a shift take two. */
-MOE_BODY v16f
-load_w_half (gconstpointer w,
-             gsize         i,
-             gsize         count,
-             gboolean      bf16,
-             guint         half)
-{
-  if (bf16)
-    {
-      v16u32 v = { 0, };
-      memcpy (&v, (const guint16 *) w + i, count * sizeof (guint16));
-      return half == 0 ? (v16f) (v << 16) : (v16f) (v & 0xffff0000u);
-    }
-  else
-    {
-      v16f v = { 0, };
-      gsize from = half * (TILE_CHUNK / 2);
-      if (count > from)
-        memcpy (&v, (const float *) w + i + from, MIN (count - from, TILE_CHUNK / 2) * sizeof (float));
-      return v;
-    }
-}
+/* AVX-512: 4 × 6 tiles (24 sums, 6 weight vectors and an input: the 32
+ * registers) */
+#define TILE_V      v16f
+#define TILE_VU     v16u32
+#define TILE_WIDTH  16
+#define TILE_LOAD   load16_f32
+#define TILE_HSUM   hsum16
+#define TILE_ROWS   4
+#define TILE_COLS   6
+#define TILE_TARGET MOE_AVX512
+#define TILE_FN(name) name##_avx512
+#include "moe-cpu-tiles.inc"
+#undef TILE_V
+#undef TILE_VU
+#undef TILE_WIDTH
+#undef TILE_LOAD
+#undef TILE_HSUM
+#undef TILE_ROWS
+#undef TILE_COLS
+#undef TILE_TARGET
+#undef TILE_FN
 
-/* One chunk of a tile's inputs, from @i: @count (a constant where
- * called) of them. Its two halves go one after the other, the weights read
- * again for the second (from L1), so that 24 sums, 6 weight vectors and an
- * input about fit the 32 registers (holding both halves' weights, GCC
- * spilled many more sums). */
-MOE_BODY void
-matmul_tile_chunk (v16f           acc[TILE_ROWS][TILE_COLS],
-                   const float   *xp,
-                   gsize          kp,
-                   gconstpointer  w,
-                   gsize          ldw,
-                   gboolean       bf16,
-                   gsize          i,
-                   gsize          count,
-                   gsize          rows,
-                   gsize          cols)
-{
-  _Pragma ("GCC unroll 2") for (guint half = 0; half < 2; half++)
-    {
-      v16f wv[TILE_COLS];
-
-      _Pragma ("GCC unroll 8") for (gsize q = 0; q < cols; q++)
-        wv[q] = load_w_half ((const guint8 *) w + q * ldw, i, count, bf16, half);
-      _Pragma ("GCC unroll 8") for (gsize r = 0; r < rows; r++)
-        {
-          v16f xv = load16_f32 (xp + r * kp + i + half * (TILE_CHUNK / 2));
-          _Pragma ("GCC unroll 8") for (gsize q = 0; q < cols; q++)
-            acc[r][q] += xv * wv[q];
-        }
-    }
-}
-
-/* One tile: @rows (≤ TILE_ROWS) rows of packed x (@kp apart) times @cols
- * (≤ TILE_COLS) rows of W from @w (@ldw bytes apart), @k inputs of each,
- * into y (@ldy apart), or added to it; rows and cols constants where
- * called */
-MOE_BODY void
-matmul_tile (const float   *xp,
-             gsize          kp,
-             gconstpointer  w,
-             gsize          ldw,
-             gboolean       bf16,
-             gsize          k,
-             gsize          rows,
-             gsize          cols,
-             gboolean       add,
-             float         *y,
-             gsize          ldy)
-{
-  gsize whole = k / TILE_CHUNK * TILE_CHUNK;
-  v16f acc[TILE_ROWS][TILE_COLS];
-
-  _Pragma ("GCC unroll 8") for (gsize r = 0; r < rows; r++)
-    _Pragma ("GCC unroll 8") for (gsize q = 0; q < cols; q++)
-      acc[r][q] = (v16f) { 0, };
-  for (gsize i = 0; i < whole; i += TILE_CHUNK)
-    matmul_tile_chunk (acc, xp, kp, w, ldw, bf16, i, TILE_CHUNK, rows, cols);
-  /* a short last chunk: the weights not read past the row's end */
-  if (whole < k)
-    matmul_tile_chunk (acc, xp, kp, w, ldw, bf16, whole, k - whole, rows, cols);
-  _Pragma ("GCC unroll 8") for (gsize r = 0; r < rows; r++)
-    _Pragma ("GCC unroll 8") for (gsize q = 0; q < cols; q++)
-      y[r * ldy + q] = (add ? y[r * ldy + q] : 0.0f) + hsum16 (acc[r][q]);
-}
-
-/* matmul_tile with @rows (≤ TILE_ROWS) a constant in each call; @cols
- * one where called */
-MOE_BODY void
-matmul_tile_rows (const float   *xp,
-                  gsize          kp,
-                  gconstpointer  w,
-                  gsize          ldw,
-                  gboolean       bf16,
-                  gsize          k,
-                  gsize          rows,
-                  gsize          cols,
-                  gboolean       add,
-                  float         *y,
-                  gsize          ldy)
-{
-  G_STATIC_ASSERT (TILE_ROWS == 4);   /* the cases below */
-  switch (rows)
-    {
-    case 1: matmul_tile (xp, kp, w, ldw, bf16, k, 1, cols, add, y, ldy); break;
-    case 2: matmul_tile (xp, kp, w, ldw, bf16, k, 2, cols, add, y, ldy); break;
-    case 3: matmul_tile (xp, kp, w, ldw, bf16, k, 3, cols, add, y, ldy); break;
-    default: matmul_tile (xp, kp, w, ldw, bf16, k, TILE_ROWS, cols, add, y, ldy);
-    }
-}
-
-/* Outputs [n0, n1) of y[m, n] (rows @ldy apart) from x packed by pack_rows */
-MOE_BODY void
-matmul_tiles (const float   *xp,
-              gsize          m,
-              gconstpointer  w,
-              gboolean       bf16,
-              gsize          k,
-              float         *y,
-              gsize          ldy,
-              gsize          n0,
-              gsize          n1)
-{
-  gsize kp = (k + TILE_CHUNK - 1) / TILE_CHUNK * TILE_CHUNK;
-  gsize esize = bf16 ? sizeof (guint16) : sizeof (float), ldw = k * esize;
-  gsize block = TILE_BLOCK_BYTES / (TILE_COLS * esize) / TILE_CHUNK * TILE_CHUNK;
-
-  for (gsize r0 = 0; r0 < m; r0 += TILE_BLOCK_ROWS)
-    for (gsize i0 = 0; i0 < k; i0 += block)
-      {
-        gsize end = MIN (m, r0 + TILE_BLOCK_ROWS), kc = MIN (block, k - i0);
-
-        for (gsize j = n0; j < n1;)
-          {
-            gconstpointer wj = (const guint8 *) w + j * ldw + i0 * esize;
-            gboolean whole = j + TILE_COLS <= n1;
-
-            for (gsize r = r0; r < end; r += TILE_ROWS)
-              {
-                const float *xr = xp + r * kp + i0;
-                gsize rows = MIN (TILE_ROWS, end - r);
-
-                if (whole)
-                  matmul_tile_rows (xr, kp, wj, ldw, bf16, kc, rows, TILE_COLS, i0 > 0, y + r * ldy + j, ldy);
-                else
-                  matmul_tile_rows (xr, kp, wj, ldw, bf16, kc, rows, 1, i0 > 0, y + r * ldy + j, ldy);
-              }
-            j += whole ? TILE_COLS : 1;
-          }
-      }
-}
-
-/* the weights' type a constant in each call */
-MOE_AVX512 static void
-matmul_tiles_avx512 (const float   *xp,
-                     gsize          m,
-                     gconstpointer  w,
-                     gboolean       bf16,
-                     gsize          k,
-                     float         *y,
-                     gsize          ldy,
-                     gsize          n0,
-                     gsize          n1)
-{
-  if (bf16)
-    matmul_tiles (xp, m, w, TRUE, k, y, ldy, n0, n1);
-  else
-    matmul_tiles (xp, m, w, FALSE, k, y, ldy, n0, n1);
-}
+/* AVX2: 3 × 3 tiles (16 registers; against 4 × 2, 2 × 4, 2 × 5 and 4 × 3
+ * on the Emerald Rapids, AVX2 kernels only: the fastest or level at T = 1
+ * to 512, bf16 and f32) */
+#define TILE_V      v8f
+#define TILE_VU     v8u32
+#define TILE_WIDTH  8
+#define TILE_LOAD   load8_f32
+#define TILE_HSUM   hsum8
+#define TILE_ROWS   3
+#define TILE_COLS   3
+#define TILE_TARGET MOE_AVX2
+#define TILE_FN(name) name##_avx2
+#include "moe-cpu-tiles.inc"
+#undef TILE_V
+#undef TILE_VU
+#undef TILE_WIDTH
+#undef TILE_LOAD
+#undef TILE_HSUM
+#undef TILE_ROWS
+#undef TILE_COLS
+#undef TILE_TARGET
+#undef TILE_FN
 #endif
 
 /* y[m, n] = x[m, k] · W[k, n] with W read in place: outputs [n0, n1), a
@@ -965,7 +855,10 @@ tiled_matmul_part (gpointer data,
 {
   const TiledMatmul *t = data;
 
-  matmul_tiles_avx512 (t->xp, t->m, t->w->data, t->w->dtype == MOE_DTYPE_BF16, t->w->k, t->y, t->w->n, n0, n1);
+  if (cpu_has_avx512 ())
+    matmul_tiles_avx512 (t->xp, t->m, t->w->data, t->w->dtype == MOE_DTYPE_BF16, t->w->k, t->y, t->w->n, n0, n1);
+  else
+    matmul_tiles_avx2 (t->xp, t->m, t->w->data, t->w->dtype == MOE_DTYPE_BF16, t->w->k, t->y, t->w->n, n0, n1);
 }
 #endif
 
@@ -1005,17 +898,18 @@ moe_cpu_matmul (const float        *x,
     }
 
 #ifdef MOE_HAVE_AVX2_VARIANTS
-  /* AVX-512: [n, k] weights in place by tiles, any rows but one f32 row,
-   * which OpenBLAS's sgemv streams faster (f32 Qwen1.5-MoE layer at T = 1:
-   * 2.8–3.4 against 3.5–4.3 ms, runs alternating) */
-  if (cpu_has_avx512 () && !w->transposed &&
+  /* AVX-512 or AVX2: [n, k] weights in place by tiles, any rows but one
+   * f32 row, which OpenBLAS's sgemv streams faster (f32 Qwen1.5-MoE layer
+   * at T = 1: 2.8–3.4 against 3.5–4.3 ms, runs alternating) */
+  if ((cpu_has_avx512 () || cpu_has_avx2_fma ()) && !w->transposed &&
       (w->dtype == MOE_DTYPE_BF16 || (w->dtype == MOE_DTYPE_F32 && m >= 2)))
     {
-      gsize kp = (w->k + TILE_CHUNK - 1) / TILE_CHUNK * TILE_CHUNK;
+      gsize chunk = cpu_has_avx512 () ? 32 : 16;
+      gsize kp = (w->k + chunk - 1) / chunk * chunk;
       float *xp = get_scratch (m * kp);
       TiledMatmul t = { xp, m, w, y };
 
-      pack_rows (x, m, w->k, w->dtype == MOE_DTYPE_BF16, xp);
+      pack_rows (x, m, w->k, w->dtype == MOE_DTYPE_BF16, chunk, xp);
       /* parts of 48 outputs: whole tiles, and whole cache lines of y's rows */
       parallel_for (w->n, 48, w->n * w->k, tiled_matmul_part, &t);
       return;
