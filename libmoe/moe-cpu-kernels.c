@@ -741,15 +741,6 @@ pack_rows (const float *x,
 #define TILE_TARGET MOE_AVX512
 #define TILE_FN(name) name##_avx512
 #include "moe-cpu-tiles.inc"
-#undef TILE_V
-#undef TILE_VU
-#undef TILE_WIDTH
-#undef TILE_LOAD
-#undef TILE_HSUM
-#undef TILE_ROWS
-#undef TILE_COLS
-#undef TILE_TARGET
-#undef TILE_FN
 
 /* AVX2: 3 × 3 tiles (16 registers; against 4 × 2, 2 × 4, 2 × 5 and 4 × 3
  * on the Emerald Rapids, AVX2 kernels only: the fastest or level at T = 1
@@ -764,15 +755,6 @@ pack_rows (const float *x,
 #define TILE_TARGET MOE_AVX2
 #define TILE_FN(name) name##_avx2
 #include "moe-cpu-tiles.inc"
-#undef TILE_V
-#undef TILE_VU
-#undef TILE_WIDTH
-#undef TILE_LOAD
-#undef TILE_HSUM
-#undef TILE_ROWS
-#undef TILE_COLS
-#undef TILE_TARGET
-#undef TILE_FN
 #endif
 
 /* y[m, n] = x[m, k] · W[k, n] with W read in place: outputs [n0, n1), a
