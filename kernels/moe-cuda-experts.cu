@@ -434,8 +434,20 @@ struct Workspace {
   unsigned char *xq8, *hq8; /* FP8 on the tensor cores: the e4m3 activations… */
   float *xs, *hs;           /* …and their scales, [rows, ⌈K/128⌉] */
   float *up_scale, *down_scale; /* …and UE8M0 weight scales as floats (the bulk-copy GEMMs') */
+  unsigned char *xt8;       /* fp8_by_token: x's rows quantized once a token… */
+  float *xts;               /* …and their scales, [⌈H/128⌉, tokens] */
   int *row_expert;
 };
+
+/* MOE_CUDA_FP8_BY_TOKEN=1 (for measuring): the bulk-copy GEMMs' FP8 x
+ * quantized once a token, then its e4m3 rows and scales gathered in sorted
+ * order (gather_fp8_sorted), rather than quantized once a (token, slot) row */
+bool
+fp8_by_token (const MoeCudaExperts &p)
+{
+  static const bool on = getenv ("MOE_CUDA_FP8_BY_TOKEN") != nullptr && atoi (getenv ("MOE_CUDA_FP8_BY_TOKEN")) != 0;
+  return on && p.hidden % 16 == 0;
+}
 
 size_t
 elem_size (int dtype)
@@ -548,6 +560,11 @@ carve (const MoeCudaExperts *p, int schedule, unsigned char *base, Workspace *w)
       w->xs = (float *) take (rows * ((p->hidden + 127) / 128) * sizeof (float));
       w->hq8 = (unsigned char *) take (S * p->inter);
       w->hs = (float *) take (S * ((p->inter + 127) / 128) * sizeof (float));
+      if (path == PATH_TMA && fp8_by_token (*p))
+        {
+          w->xt8 = (unsigned char *) take ((size_t) p->tokens * p->hidden);
+          w->xts = (float *) take ((size_t) p->tokens * ((p->hidden + 127) / 128) * sizeof (float));
+        }
       if (path == PATH_TMA && p->scale_dtype == MOE_CUDA_E8M0)
         {
           size_t up_n, down_n;
@@ -921,7 +938,15 @@ run_grouped_tma (const MoeCudaExperts &p, const Workspace &w, cudaStream_t s, co
       return run_grouped_tma<T, FP8, C, D, GATHER> (q, w, s, kc, kd);
     }
   launch_route (p, (int) C::BM, w.r, choice, s);
-  if (FP8)
+  if (FP8 && fp8_by_token (p))
+    {
+      if ((msg = launch_quantize_fp8 ((const T *) p.x, p.tokens, p.hidden, w.xt8, w.xts, s)) != nullptr)
+        return msg;
+      launch_overlapped (gather_fp8_sorted, (unsigned) ((S + 7) / 8), 256, 0, s, (const unsigned char *) w.xt8,
+                         (const float *) w.xts, w.r, E, p.top_k, p.tokens, S, p.hidden, w.xq8, w.xs);
+      a = w.xq8, as = w.xs;
+    }
+  else if (FP8)
     {
       msg = launch_quantize_fp8 ((const T *) p.x, S, p.hidden, w.xq8, w.xs, s, true, w.r, E, p.top_k);
       if (msg != nullptr)

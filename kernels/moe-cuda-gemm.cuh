@@ -1833,6 +1833,41 @@ gather_sorted (const T *x, Route r, int E, int top_k, int H, T *dst)
     out[i] = src[i];
 }
 
+/* x's e4m3 rows (@K bytes, a multiple of 16), quantized once a token
+ * (@xq, scales @xs [⌈K/128⌉, @T]), in sorted order: row i of @q and
+ * @scale ([⌈K/128⌉, @S]) is sorted row i's token's. A warp a row, its
+ * loads all in flight before it stores; rows past the routed ones are
+ * skipped. */
+__global__ void __launch_bounds__ (256)
+gather_fp8_sorted (const unsigned char *__restrict__ xq, const float *__restrict__ xs, Route r, int E, int top_k,
+                   int T, int S, int K, unsigned char *__restrict__ q, float *__restrict__ scale)
+{
+  constexpr int U = 4;
+  const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n = K / 16, G = (K + 127) / 128;
+
+  pdl_begin ();
+  if (row >= r.offsets[E])
+    return;
+  const int token = r.sorted_pair[row] / top_k;
+  const uint4 *src = (const uint4 *) (xq + (size_t) token * K);
+  uint4 *out = (uint4 *) (q + (size_t) row * K);
+  for (int i0 = lane; i0 < n; i0 += 32 * U)
+    {
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; u++)
+        if (i0 + 32 * u < n)
+          v[u] = src[i0 + 32 * u];
+#pragma unroll
+      for (int u = 0; u < U; u++)
+        if (i0 + 32 * u < n)
+          out[i0 + 32 * u] = v[u];
+    }
+  for (int g = lane; g < G; g += 32)
+    scale[(size_t) g * S + row] = xs[(size_t) g * T + token];
+}
+
 /* The dynamic activation scheme for the FP8 tensor cores: each row's
  * 128-wide groups scaled and rounded to e4m3 (fp8_group_scale,
  * fp8_quantize2), kept as bytes plus one float scale per
