@@ -442,7 +442,7 @@ struct Workspace {
 /* The bulk-copy GEMMs' FP8 x is quantized once a token, then its e4m3
  * rows and scales gathered in sorted order (gather_fp8_sorted, 16-byte
  * copies: H a multiple of 16), rather than quantized once a (token, slot)
- * row, each token's groups K times: Qwen3-30B-A3B's FP8 layer 2.7–3.5%
+ * row, each token's groups K times: Qwen3-30B-A3B's FP8 layer 2.4–3.7%
  * faster at T = 4096 and 16384 on an H100 (BENCHMARKS.md, thirty-eighth
  * session) */
 bool
