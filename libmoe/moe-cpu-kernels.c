@@ -702,6 +702,8 @@ matmul_nt_part (const float *x, gsize m, gconstpointer w, gboolean bf16, gsize k
  * inputs, 1024 f32), a tile's weights staying in L1 while the rows pass:
  * f32 tiles of whole 2048-input rows (48 KiB) did not */
 #define TILE_BLOCK_BYTES (24 * 1024)
+/* f32 weights of fewer inputs go to sgemm (moe_cpu_matmul) */
+#define TILE_F32_MIN_K 512
 
 /* Rows of x as the tiles read them: @kp (k rounded up to whole chunks of
  * @chunk inputs) apart, zero past k; with bf16 weights each chunk holds
@@ -882,9 +884,12 @@ moe_cpu_matmul (const float        *x,
 #ifdef MOE_HAVE_AVX2_VARIANTS
   /* AVX-512 or AVX2: [n, k] weights in place by tiles, any rows but one
    * f32 row, which OpenBLAS's sgemv streams faster (f32 Qwen1.5-MoE layer
-   * at T = 1: 2.8–3.4 against 3.5–4.3 ms, runs alternating) */
+   * at T = 1: 2.8–3.4 against 3.5–4.3 ms, runs alternating), and f32 rows
+   * of fewer than TILE_F32_MIN_K inputs, where a tile's horizontal sums
+   * cost about as much as its products and sgemm has nothing to widen (the
+   * H = 128 fixture's f32 layer: 2.3 against 4.4–5.6 ms) */
   if ((cpu_has_avx512 () || cpu_has_avx2_fma ()) && !w->transposed &&
-      (w->dtype == MOE_DTYPE_BF16 || (w->dtype == MOE_DTYPE_F32 && m >= 2)))
+      (w->dtype == MOE_DTYPE_BF16 || (w->dtype == MOE_DTYPE_F32 && m >= 2 && w->k >= TILE_F32_MIN_K)))
     {
       gsize chunk = cpu_has_avx512 () ? 32 : 16;
       gsize kp = (w->k + chunk - 1) / chunk * chunk;
