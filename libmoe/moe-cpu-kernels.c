@@ -823,13 +823,15 @@ direct_matmul_part (gpointer data,
 }
 
 #ifdef MOE_HAVE_AVX2_VARIANTS
-/* The AVX-512 tiled product of packed rows, split over the threads by
- * outputs */
+/* The tiled product of packed rows (@tiles: the AVX-512 or AVX2 form,
+ * chosen once a call), split over the threads by outputs */
 typedef struct {
   const float        *xp;
   gsize               m;
   const MoeCpuMatrix *w;
   float              *y;
+  void              (*tiles) (const float *xp, gsize m, gconstpointer w, gboolean bf16, gsize k, float *y,
+                              gsize ldy, gsize n0, gsize n1);
 } TiledMatmul;
 
 static void
@@ -839,10 +841,7 @@ tiled_matmul_part (gpointer data,
 {
   const TiledMatmul *t = data;
 
-  if (cpu_has_avx512 ())
-    matmul_tiles_avx512 (t->xp, t->m, t->w->data, t->w->dtype == MOE_DTYPE_BF16, t->w->k, t->y, t->w->n, n0, n1);
-  else
-    matmul_tiles_avx2 (t->xp, t->m, t->w->data, t->w->dtype == MOE_DTYPE_BF16, t->w->k, t->y, t->w->n, n0, n1);
+  t->tiles (t->xp, t->m, t->w->data, t->w->dtype == MOE_DTYPE_BF16, t->w->k, t->y, t->w->n, n0, n1);
 }
 #endif
 
@@ -891,10 +890,11 @@ moe_cpu_matmul (const float        *x,
   if ((cpu_has_avx512 () || cpu_has_avx2_fma ()) && !w->transposed &&
       (w->dtype == MOE_DTYPE_BF16 || (w->dtype == MOE_DTYPE_F32 && m >= 2 && w->k >= TILE_F32_MIN_K)))
     {
-      gsize chunk = cpu_has_avx512 () ? 32 : 16;
+      gboolean wide = cpu_has_avx512 ();
+      gsize chunk = wide ? tile_chunk_avx512 : tile_chunk_avx2;
       gsize kp = (w->k + chunk - 1) / chunk * chunk;
       float *xp = get_scratch (m * kp);
-      TiledMatmul t = { xp, m, w, y };
+      TiledMatmul t = { xp, m, w, y, wide ? matmul_tiles_avx512 : matmul_tiles_avx2 };
 
       pack_rows (x, m, w->k, w->dtype == MOE_DTYPE_BF16, chunk, xp);
       /* parts of 48 outputs: whole tiles, and whole cache lines of y's rows */
